@@ -1,0 +1,233 @@
+"""The recipe's steps as a small make: corpus -> tokenizer -> preprocess -> train -> convert -> evaluate.
+
+Each step writes one directory under `{workdir}/{recipe name}/`, named by the hash of exactly
+what its output depends on (`Recipe.stage_hash`), and a `manifest.json` written last. A step
+whose manifest exists is reused; a step whose inputs changed gets a new directory, so nothing
+stale is ever reused and nothing is redone twice. Steps are built in a temporary directory and
+renamed when complete, so an interrupted step never looks done.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from megatron_core.config import Recipe
+from megatron_core.errors import UserError
+
+MANIFEST = "manifest.json"
+
+
+def log(message: str) -> None:
+    print(f"[workflow] {message}", flush=True)
+
+
+@dataclass
+class Step:
+    name: str
+    directory: Path
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.directory / MANIFEST
+
+    @property
+    def done(self) -> bool:
+        return self.manifest_path.exists()
+
+    def manifest(self) -> dict:
+        return json.loads(self.manifest_path.read_text())
+
+
+def recipe_root(recipe: Recipe, workdir: str | os.PathLike) -> Path:
+    return Path(workdir) / recipe.name
+
+
+def step_dir(recipe: Recipe, workdir, stage: str) -> Step:
+    return Step(stage, recipe_root(recipe, workdir) / f"{stage}-{recipe.stage_hash(stage)}")
+
+
+def _build(step: Step, recipe: Recipe, build: Callable[[Path], dict], force: bool = False) -> Step:
+    """Run `build(tmp_dir) -> manifest fields` unless the step is done; publish atomically."""
+    if step.done and not force:
+        log(f"{step.name}: up to date in {step.directory}")
+        return step
+    tmp = step.directory.with_name(step.directory.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    start = time.time()
+    log(f"{step.name}: building in {step.directory}")
+    try:
+        fields = build(tmp)
+        manifest = {
+            "stage": step.name,
+            "stage_hash": recipe.stage_hash(step.name),
+            "recipe": recipe.name,
+            "recipe_version": recipe.version,
+            "recipe_hash": recipe.hash,
+            "seconds": round(time.time() - start, 3),
+            **fields,
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str) + "\n")
+        if step.directory.exists():  # a forced rebuild replaces the old output only now
+            shutil.rmtree(step.directory)
+        os.replace(tmp, step.directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"{step.name}: done in {time.time() - start:.1f} s")
+    return step
+
+
+# ----------------------------------------------------------------------------------------------
+# Steps
+# ----------------------------------------------------------------------------------------------
+
+
+def corpus(recipe: Recipe, workdir, force: bool = False) -> Step:
+    from megatron_core.data.corpus import build_corpus
+
+    def build(tmp: Path) -> dict:
+        c = recipe.corpus
+        summary = build_corpus(
+            c.sources, tmp / "corpus.jsonl", max_documents=c.max_documents, max_bytes=c.max_bytes
+        )
+        return {"corpus": "corpus.jsonl", "summary": summary}
+
+    return _build(step_dir(recipe, workdir, "corpus"), recipe, build, force)
+
+
+def corpus_path(recipe: Recipe, workdir) -> Path:
+    return corpus(recipe, workdir).directory / "corpus.jsonl"
+
+
+def tokenizer(recipe: Recipe, workdir, force: bool = False) -> Step:
+    from megatron_core.data import tokenizer as tok
+
+    t = recipe.tokenizer
+    needs_corpus = t.vocab_file is None and t.hf_tokenizer is None
+    corpus_file = corpus_path(recipe, workdir) if needs_corpus else None
+
+    def build(tmp: Path) -> dict:
+        vocab, merges = tmp / "vocab.json", tmp / "merges.txt"
+        if t.vocab_file is not None:
+            origin = "files"
+            tok.check_tokenizer_files(t.vocab_file, t.merge_file)
+            shutil.copyfile(t.vocab_file, vocab)
+            shutil.copyfile(t.merge_file, merges)
+        elif t.hf_tokenizer is not None:
+            origin = f"hf:{t.hf_tokenizer}@{t.hf_tokenizer_revision}"
+            _fetch_hub_tokenizer(t.hf_tokenizer, t.hf_tokenizer_revision, tmp)
+        else:
+            origin = "trained"
+            tok.train_bpe_tokenizer(
+                _iter_corpus_texts(corpus_file, recipe.data.json_keys),
+                t.vocab_size,
+                tmp,
+                min_frequency=t.min_frequency,
+            )
+        tok.check_tokenizer_files(vocab, merges)
+        loaded = tok.GPT2BPETokenizer(vocab, merges)
+        fields = {
+            "origin": origin,
+            "vocab_file": "vocab.json",
+            "merge_file": "merges.txt",
+            "vocab_size": loaded.vocab_size,
+            "eod": loaded.eod,
+            "vocab_sha256": tok.file_sha256(vocab),
+            "merges_sha256": tok.file_sha256(merges),
+        }
+        log(
+            f"tokenizer ({origin}): vocab size {fields['vocab_size']}, vocab.json sha256 "
+            f"{fields['vocab_sha256'][:16]}, merges.txt sha256 {fields['merges_sha256'][:16]}"
+        )
+        return fields
+
+    return _build(step_dir(recipe, workdir, "tokenizer"), recipe, build, force)
+
+
+def tokenizer_files(recipe: Recipe, workdir) -> tuple[Path, Path]:
+    step = tokenizer(recipe, workdir)
+    return step.directory / "vocab.json", step.directory / "merges.txt"
+
+
+def _fetch_hub_tokenizer(name: str, revision: str, out: Path) -> None:
+    try:
+        from huggingface_hub import hf_hub_download
+
+        for filename in ("vocab.json", "merges.txt"):
+            shutil.copyfile(hf_hub_download(name, filename, revision=revision), out / filename)
+    except Exception as exc:  # noqa: BLE001 - any Hub failure means the same thing to the user
+        raise UserError(
+            f"cannot fetch tokenizer {name}@{revision} from the Hugging Face Hub ({type(exc).__name__}); "
+            "on a machine without internet set tokenizer.vocab_file and tokenizer.merge_file "
+            "(--set tokenizer.vocab_file=... --set tokenizer.merge_file=...)"
+        ) from None
+
+
+def _iter_corpus_texts(path: Path, keys: list):
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            doc = json.loads(line)
+            for key in keys:
+                if isinstance(doc.get(key), str):
+                    yield doc[key]
+
+
+def preprocess(recipe: Recipe, workdir, force: bool = False) -> Step:
+    from megatron_core.data.preprocess import preprocess as run_preprocess
+    from megatron_core.data.preprocess import preprocess_args
+
+    vocab, merges = tokenizer_files(recipe, workdir)
+    corpus_file = corpus_path(recipe, workdir)
+    d = recipe.data
+
+    def build(tmp: Path) -> dict:
+        args = preprocess_args(
+            input=[str(corpus_file)],
+            json_keys=list(d.json_keys),
+            output_prefix=str(tmp / "data"),
+            tokenizer_type=recipe.tokenizer.tokenizer_type,
+            vocab_file=str(vocab),
+            merge_file=str(merges),
+            append_eod=d.append_eod,
+            workers=d.workers,
+            dataset_impl=d.dataset_impl,
+            split_sentences=d.split_sentences,
+            keep_newlines=d.keep_newlines,
+            log_interval=d.log_interval,
+        )
+        summary = run_preprocess(args)
+        level = "sentence" if d.split_sentences else "document"
+        return {"prefixes": [f"data_{key}_{level}" for key in d.json_keys], "summary": summary}
+
+    return _build(step_dir(recipe, workdir, "preprocess"), recipe, build, force)
+
+
+def data_prefixes(recipe: Recipe, workdir) -> list:
+    """What training reads: the recipe's explicit data_path (a prefix or a blend), else the
+    recipe's own preprocessed output (its json keys blended with equal weight)."""
+    if recipe.data.data_path:
+        return list(recipe.data.data_path)
+    step = preprocess(recipe, workdir)
+    prefixes = [str(step.directory / p) for p in step.manifest()["prefixes"]]
+    if len(prefixes) == 1:
+        return prefixes
+    return [x for p in prefixes for x in (1.0, p)]
+
+
+def run_dir(recipe: Recipe, workdir) -> Path:
+    return recipe_root(recipe, workdir) / "runs" / recipe.hash
+
+
+def describe_outputs(recipe: Recipe, workdir) -> dict:
+    """Where each step's output is (or will be), for `invoke recipes --recipe R` and the README."""
+    root = {stage: str(step_dir(recipe, workdir, stage).directory) for stage in ("corpus", "tokenizer", "preprocess")}
+    root["run"] = str(run_dir(recipe, workdir))
+    return root
+
