@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Set up a fresh machine for the CPU path: a virtualenv in .venv with the pinned CPU torch wheel
+# (installed first, so the project's plain `torch` requirement does not pull a multi-GB CUDA build)
+# and the project with its test extra. Idempotent: a second run only checks.
+# Inside the NGC image do NOT use this: torch is already there (see docker/Dockerfile).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+. .venv/bin/activate
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+python -c "import torch" 2>/dev/null || pip install --quiet "torch==2.13.0"
+pip install --quiet -e ".[test]"
+python -c "import torch, megatron_core; print(f'ready: torch {torch.__version__}, megatron_core {megatron_core.__version__}')"
