@@ -52,6 +52,14 @@ def recipe_task(*args, help=None, iterable=None, **kwargs):
     return decorate(args[0]) if args and callable(args[0]) else decorate
 
 
+def _human(n: float) -> str:
+    for unit in ("", "K", "M", "B"):
+        if abs(n) < 1000:
+            return f"{n:.3g}{unit}"
+        n /= 1000
+    return f"{n:.3g}T"
+
+
 def _load(recipe: str, set_) -> config.Recipe:
     r = config.load_recipe(recipe, list(set_ or []))
     print(f"recipe: {r.describe()}", flush=True)
@@ -75,15 +83,16 @@ def recipes(c, show=None):
     rows = [("name", "version", "family", "GPUs", "parameters", "tokens", "hash")]
     for path in config.list_recipe_files():
         r = config.load_recipe(str(path))
-        gpus = r.parallel.world_size if "gpu" in r.hardware.lower() else 0
+        world = r.parallel.world_size
+        on_gpu = "gpu" in r.hardware.lower()
         rows.append(
             (
                 r.name,
                 str(r.version),
                 r.family or "-",
-                str(gpus) if gpus else "cpu",
-                f"{r.num_parameters() / 1e6:.1f}M",
-                f"{r.tokens_to_train() / 1e9:.3g}B",
+                str(world) if on_gpu else ("cpu" if world == 1 else f"cpu x{world}"),
+                _human(r.num_parameters()),
+                _human(r.tokens_to_train()),
                 r.hash,
             )
         )
