@@ -1,0 +1,156 @@
+"""Which implementation runs each fusion: chosen once, checked, and described for the start-up log.
+
+Backends: "triton" (our @triton.jit kernels), "apex" (NVIDIA Apex, LayerNorm only), "torch" (the plain
+PyTorch reference). "auto" means Triton on CUDA and torch on a CPU; Apex is used for LayerNorm only when it
+is asked for (``fusions: apex`` or an override), never picked behind the user's back.
+
+Triton on a CPU works only through Triton's interpreter, which must be switched on with TRITON_INTERPRET=1
+*before the process first imports triton* (triton decorates its own library functions, e.g. ``tl.rand``, at
+import time). The tests do this; anything else asking for "triton" on a CPU gets a UserError.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+
+from megatron_core.errors import UserError
+
+FUSION_NAMES = ("layer_norm", "bias_gelu", "bias_dropout_add", "softmax", "cross_entropy")
+BACKEND_NAMES = ("triton", "apex", "torch")
+_APEX_FUSIONS = frozenset({"layer_norm"})
+
+
+def _device_type(device) -> str:
+    if isinstance(device, torch.device):
+        return device.type
+    try:
+        return torch.device(device).type
+    except (RuntimeError, TypeError) as exc:
+        raise UserError(f"unknown device {device!r}; use 'cpu' or 'cuda[:N]'") from exc
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_import_problem() -> str | None:
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (pip install triton)"
+    return None
+
+
+def _triton_interpreter_problem() -> str | None:
+    """Why the Triton interpreter cannot run here, or None when it can."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return ("Triton runs on a CPU only under its interpreter; set TRITON_INTERPRET=1 in the environment "
+                "before Python starts, or use backend 'torch'")
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(tl.random.randint, InterpretedFunction):
+        return ("TRITON_INTERPRET=1 was set after triton had already been imported in this process; set it "
+                "before the first `import triton` (e.g. in the environment of the process)")
+    return None
+
+
+def triton_problem(device) -> str | None:
+    """Why Triton cannot run on `device`, or None when it can."""
+    problem = _triton_import_problem()
+    if problem:
+        return problem
+    kind = _device_type(device)
+    if kind == "cuda":
+        return None if torch.cuda.is_available() else "no CUDA device is available to this process"
+    if kind == "cpu":
+        return _triton_interpreter_problem()
+    return f"Triton kernels are not supported on device type {kind!r}"
+
+
+def apex_problem(device) -> str | None:
+    """Why Apex's fused LayerNorm cannot run on `device`, or None when it can."""
+    from megatron_core.fusions.apex import apex_status
+
+    if _device_type(device) != "cuda":
+        return "Apex kernels need a CUDA device"
+    status = apex_status()
+    missing = [name for name in ("apex", "fused_layer_norm_cuda") if not status[name]]
+    if missing:
+        return (f"Apex is not usable: {', '.join(missing)} failed to import "
+                f"({status['errors'].get(missing[0], '')}); install Apex with its CUDA extensions or use "
+                "'triton'/'torch'")
+    return None
+
+
+def _auto_backend(device) -> str:
+    if _device_type(device) == "cuda" and triton_problem(device) is None:
+        return "triton"
+    return "torch"
+
+
+def choose_backend(fusion: str, requested: str, device) -> str:
+    """The concrete backend one call of `fusion` runs with; raises UserError when it cannot run."""
+    if fusion not in FUSION_NAMES:
+        raise UserError(f"unknown fusion {fusion!r}; known fusions: {', '.join(FUSION_NAMES)}")
+    if requested == "auto":
+        return _auto_backend(device)
+    if requested not in BACKEND_NAMES:
+        raise UserError(f"unknown backend {requested!r} for {fusion}; use one of auto, {', '.join(BACKEND_NAMES)}")
+    if requested == "apex":
+        if fusion not in _APEX_FUSIONS:
+            raise UserError(f"Apex has no kernel for {fusion}; use 'triton', 'torch' or 'auto' for it")
+        problem = apex_problem(device)
+    elif requested == "triton":
+        problem = triton_problem(device)
+    else:
+        problem = None
+    if problem:
+        raise UserError(f"cannot use backend {requested!r} for {fusion}: {problem}")
+    return requested
+
+
+@dataclass(frozen=True)
+class FusionBackends:
+    """The backend each fusion runs with; pass these as `backend=` to the fusion functions."""
+
+    layer_norm: str = "torch"
+    bias_gelu: str = "torch"
+    bias_dropout_add: str = "torch"
+    softmax: str = "torch"
+    cross_entropy: str = "torch"
+    device: str = "cpu"
+    note: str = ""  # why "auto" settled for less than the best backend, if it did
+
+    def describe(self) -> str:
+        chosen = ", ".join(f"{name}={getattr(self, name)}" for name in FUSION_NAMES)
+        return f"fusions on {self.device}: {chosen}" + (f" ({self.note})" if self.note else "")
+
+
+def resolve_backends(fusions: str = "auto", overrides: dict | None = None, device="cpu") -> FusionBackends:
+    """Resolve the recipe's `fusions` key (auto|triton|apex|torch) and per-fusion overrides for `device`.
+
+    "apex" means Apex for LayerNorm and the "auto" choice for the fusions Apex has no kernel for.
+    Every explicit choice is checked now, so a missing Triton/Apex fails at start-up, not mid-run.
+    """
+    if fusions not in ("auto", *BACKEND_NAMES):
+        raise UserError(f"fusions: {fusions!r} is not one of auto, {', '.join(BACKEND_NAMES)}")
+    overrides = dict(overrides or {})
+    unknown = sorted(set(overrides) - set(FUSION_NAMES))
+    if unknown:
+        raise UserError(f"fusion overrides name unknown fusions {unknown}; known: {', '.join(FUSION_NAMES)}")
+    chosen = {}
+    for name in FUSION_NAMES:
+        requested = overrides.get(name, fusions)
+        if requested == "apex" and name not in _APEX_FUSIONS and name not in overrides:
+            requested = "auto"
+        chosen[name] = choose_backend(name, requested, device)
+    kind = _device_type(device)
+    note = ""
+    if kind == "cuda" and "torch" in chosen.values() and triton_problem(device):
+        note = f"Triton unavailable: {triton_problem(device)}"
+    return FusionBackends(**chosen, device=kind, note=note)
+
+
+__all__ = ["FUSION_NAMES", "FusionBackends", "resolve_backends", "choose_backend", "triton_problem",
+           "apex_problem"]

@@ -1,0 +1,85 @@
+"""Per-token cross entropy, vocab-parallel aware (Megatron's _VocabParallelCrossEntropy semantics).
+
+With a tensor-parallel `group`, `logits` are this rank's vocab shard [vocab_start_index, + V_local); the
+row max, the target logit and the sum of exponentials are each all-reduced once across the group, and the
+gradient is the local shard of softmax - onehot (no communication in backward). Labels must be valid
+global vocab ids; mask tokens out with a loss mask afterwards (there is no ignore_index). The loss is fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_core.errors import UserError
+from megatron_core.fusions.backends import choose_backend
+
+
+def _group_size(group) -> int:
+    if group is None or not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def all_reduce_max(tensor: torch.Tensor, group) -> torch.Tensor:
+    """In-place MAX all-reduce over `group` (no-op for a single process); returns `tensor`."""
+    if _group_size(group) > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return tensor
+
+
+def all_reduce_sum(tensor: torch.Tensor, group) -> torch.Tensor:
+    """In-place SUM all-reduce over `group` (no-op for a single process); returns `tensor`."""
+    if _group_size(group) > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """The torch backend: fp32 math on a copy of the local logits, the same three all-reduces."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, group, vocab_start_index):
+        ctx.logits_dtype = logits.dtype
+        logits = logits.float()
+        global_max = all_reduce_max(logits.max(dim=-1).values, group)
+        shifted = logits - global_max.unsqueeze(-1)
+        local_labels = labels.to(torch.int64) - vocab_start_index
+        in_shard = (local_labels >= 0) & (local_labels < logits.shape[-1])
+        safe_labels = torch.where(in_shard, local_labels, torch.zeros_like(local_labels))
+        target = shifted.gather(-1, safe_labels.unsqueeze(-1)).squeeze(-1) * in_shard
+        exp_logits = shifted.exp()
+        sum_exp, target = all_reduce_sum(torch.stack([exp_logits.sum(dim=-1), target]), group).unbind(0)
+        softmax = exp_logits / sum_exp.unsqueeze(-1)
+        ctx.save_for_backward(softmax, safe_labels, in_shard)
+        return torch.log(sum_exp) - target
+
+    @staticmethod
+    def backward(ctx, dloss):
+        softmax, safe_labels, in_shard = ctx.saved_tensors
+        grad = softmax.scatter_add(-1, safe_labels.unsqueeze(-1), -in_shard.to(softmax.dtype).unsqueeze(-1))
+        grad = grad * dloss.unsqueeze(-1)
+        return grad.to(ctx.logits_dtype), None, None, None
+
+
+def cross_entropy_reference(logits: torch.Tensor, labels: torch.Tensor, group=None,
+                            vocab_start_index: int = 0) -> torch.Tensor:
+    return VocabParallelCrossEntropy.apply(logits, labels, group, vocab_start_index)
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, group=None, vocab_start_index: int = 0,
+                  backend: str = "auto") -> torch.Tensor:
+    """Per-token loss [...] (fp32) of `logits` [..., V_local] against int `labels` [...]."""
+    if labels.shape != logits.shape[:-1]:
+        raise UserError(f"cross_entropy labels {tuple(labels.shape)} must match logits {tuple(logits.shape)} "
+                        "without its last (vocab) dimension")
+    if labels.dtype not in (torch.int64, torch.int32):
+        raise UserError(f"cross_entropy labels have dtype {labels.dtype}; pass integer token ids (int64)")
+    if int(vocab_start_index) < 0:
+        raise UserError(f"vocab_start_index {vocab_start_index} is negative; it is this rank's first vocab id")
+    chosen = choose_backend("cross_entropy", backend, logits.device)
+    if chosen == "triton":
+        from megatron_core.fusions.triton_kernels.cross_entropy import cross_entropy as triton_cross_entropy
+
+        return triton_cross_entropy(logits, labels, group, vocab_start_index)
+    return cross_entropy_reference(logits, labels, group, int(vocab_start_index))

@@ -1,0 +1,7 @@
+"""Triton kernels behind the fusions. Imported only when a Triton backend is used, so importing
+`megatron_core.fusions` neither needs triton nor fixes TRITON_INTERPRET for the process.
+
+Each module holds the @triton.jit forward/backward kernels of one fusion, their launchers registered as
+torch custom ops (namespace `megatron_fusions`, opaque to torch.compile, with fake kernels for tracing),
+and the torch.autograd.Function that ties them together.
+"""

@@ -1,0 +1,47 @@
+"""Helpers shared by the Triton launchers: output allocation, dtype checks, launch sizes."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from megatron_core.errors import UserError
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# One program holds a whole row in registers; rows longer than this go to the torch backend.
+MAX_ROW_ELEMENTS = 65536
+
+
+def new_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """Every tensor a launcher returns is allocated here (the tests replace it with a NaN-filled one)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def check_float(name: str, tensor: torch.Tensor) -> None:
+    if tensor.dtype not in SUPPORTED_DTYPES:
+        raise UserError(f"{name} has dtype {tensor.dtype}; the Triton kernels take float32, float16 or bfloat16")
+
+
+def row_block(n_cols: int, what: str) -> int:
+    """The power-of-two block that holds one row of `n_cols` elements."""
+    if n_cols > MAX_ROW_ELEMENTS:
+        raise UserError(f"{what} of {n_cols} elements exceeds the Triton kernel limit of {MAX_ROW_ELEMENTS}; "
+                        "use backend='torch' for this fusion")
+    return triton.next_power_of_2(n_cols)
+
+
+def rows_per_block(block_n: int) -> int:
+    """Rows one program handles together: short rows are batched so a program has ~4096 elements of work
+    (this also keeps the number of programs, and so the interpreter's run time, small)."""
+    return max(1, min(64, 4096 // block_n))
+
+
+def warps_for(block: int) -> int:
+    """Enough warps that each thread holds a handful of elements of a row."""
+    return min(max(block // 256, 1), 16)
+
+
+def sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter runs programs one after another; a few keeps partial-sum paths exercised
