@@ -1,0 +1,403 @@
+"""GPT-2 as Megatron-LM builds it, tensor- and pipeline-parallel, in one file.
+
+    input_ids [b, s] ──► embedding (word + learned position, dropout)          first stage only
+                    ──► encoder.layers[i]: x + Attn(LN(x)), then x + MLP(LN(x))  this stage's layers
+                    ──► encoder.final_layernorm ──► logits = x · E^T (tied)      last stage only
+                    ──► per-token cross entropy [b, s]                           when labels are given
+
+Activations inside the model use Megatron's layout [s, b, h] (sequence first), so that sequence
+parallelism can split dim 0. Under sequence parallelism (SP) an activation between the
+attention and MLP blocks is this TP rank's sequence chunk [s/tp, b, h].
+
+What `forward` returns:
+  - last stage, labels given:   per-token loss [b, s], float32
+  - last stage, no labels:      logits [b, s, padded_vocab / tp] (this TP rank's vocabulary slice)
+  - any other stage:            hidden states [s, b, h] ([s/tp, b, h] under SP), for the next stage
+A non-first stage gets its input through `set_input_tensor` (the pipeline schedule calls it).
+
+Tensor parallelism enters only through the layers of megatron_core.tensor_parallel: the fused
+QKV and the first MLP projection are column-parallel (heads / ffn split across TP ranks), the
+attention output and second MLP projection are row-parallel, the word embedding is
+vocab-parallel. TP = 1 runs the very same code with every communication an identity.
+
+Initialization is layout-independent: each parameter is drawn in full from a generator seeded
+by (seed, its global name) and each rank keeps its slice, so any TP x PP layout starts from the
+weights of the single-process model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import re
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_core import parallel_state
+from megatron_core.config import ModelConfig, ParallelConfig
+from megatron_core.errors import UserError
+from megatron_core.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    checkpoint,
+    column_parallel_linear,
+    get_rng_tracker,
+    initialize_parameter,
+    normal_init,
+    ones_init,
+    scatter_to_sequence_parallel_region,
+    vocab_parallel_cross_entropy,
+    zeros_init,
+)
+
+# ----------------------------------------------------------------------------------------------
+# Element-wise ops: the fused kernels when a FusionBackends is given, else plain PyTorch
+# ----------------------------------------------------------------------------------------------
+
+
+class ElementwiseOps:
+    """The handful of element-wise steps that have fused kernels, chosen once per model."""
+
+    def __init__(self, gelu_approximation: str, fusions=None) -> None:
+        self.gelu_approximation = gelu_approximation
+        self.fusions = fusions
+        if fusions is not None:
+            from megatron_core import fusions as kernels  # only when asked for: no import cost otherwise
+
+            self._kernels = kernels
+        # The fused bias-GeLU is the tanh approximation; the exact erf GeLU always runs in PyTorch.
+        self.fused_gelu = fusions is not None and gelu_approximation == "tanh"
+
+    def describe(self) -> str:
+        gelu = f"gelu[{self.gelu_approximation}]"
+        if self.fusions is None:
+            return f"elementwise ops: torch (layer_norm, {gelu}, bias_dropout_add, softmax, cross_entropy)"
+        f = self.fusions
+        return (f"elementwise ops: layer_norm={f.layer_norm}, {gelu}={f.bias_gelu if self.fused_gelu else 'torch'}, "
+                f"bias_dropout_add={f.bias_dropout_add}, softmax={f.softmax}, cross_entropy={f.cross_entropy}")
+
+    def layer_norm(self, x, weight, bias, eps):
+        if self.fusions is None:
+            return F.layer_norm(x, (x.size(-1),), weight, bias, eps)
+        return self._kernels.layer_norm(x, weight, bias, eps, backend=self.fusions.layer_norm)
+
+    def bias_gelu(self, x, bias):
+        if self.fused_gelu:
+            return self._kernels.bias_gelu(x, bias, backend=self.fusions.bias_gelu)
+        return F.gelu(x + bias, approximate=self.gelu_approximation)
+
+    def bias_dropout_add(self, x, bias, residual, p: float, training: bool):
+        if self.fusions is None:
+            return residual + F.dropout(x + bias, p=p, training=training)
+        return self._kernels.bias_dropout_add(x, bias, residual, p, training, backend=self.fusions.bias_dropout_add)
+
+    def scaled_causal_softmax(self, scores, scale: float):
+        if self.fusions is None:
+            s = scores.size(-1)
+            future = torch.ones(s, s, dtype=torch.bool, device=scores.device).triu_(1)
+            return torch.softmax((scores * scale).masked_fill(future, float("-inf")), dim=-1)
+        return self._kernels.scaled_causal_softmax(scores, scale, backend=self.fusions.softmax)
+
+    def cross_entropy(self, vocab_parallel_logits, labels):
+        backend = self.fusions.cross_entropy if self.fusions is not None else "torch"
+        return vocab_parallel_cross_entropy(vocab_parallel_logits, labels, backend=backend)
+
+
+# ----------------------------------------------------------------------------------------------
+# Building blocks
+# ----------------------------------------------------------------------------------------------
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over h with weight and bias, through the chosen kernel. Under SP its input is a
+    sequence chunk, so its parameters are marked for the TP gradient all-reduce."""
+
+    def __init__(self, hidden_size: int, eps: float, ops: ElementwiseOps, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.eps, self.ops = eps, ops
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.bias = nn.Parameter(torch.zeros(hidden_size))
+        self.weight.sequence_parallel = self.bias.sequence_parallel = sequence_parallel
+
+    def forward(self, x):
+        return self.ops.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+def _dropout_rng(inside_tensor_parallel_region: bool, p: float, training: bool):
+    """The RNG a dropout draws from: the tracker's per-TP-rank state inside TP regions (heads or
+    sequence chunks differ across ranks), the default generator outside. No dropout, no draw."""
+    if inside_tensor_parallel_region and training and p > 0.0:
+        return get_rng_tracker().fork()
+    return contextlib.nullcontext()
+
+
+class Embedding(nn.Module):
+    def __init__(self, config: ModelConfig, padded_vocab_size: int, sequence_parallel: bool) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.sequence_parallel = sequence_parallel
+        self.dropout = config.hidden_dropout
+        self.word_embeddings = VocabParallelEmbedding(padded_vocab_size, h, reduce_scatter_output=sequence_parallel)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, h)
+
+    def forward(self, input_ids, position_ids):
+        # [b, s] ids -> [s, b, h]: transpose the (small) ids, not the activations.
+        words = self.word_embeddings(input_ids.t())
+        positions = self.position_embeddings(position_ids.t())
+        if self.sequence_parallel:
+            positions = scatter_to_sequence_parallel_region(positions)
+        x = words + positions
+        with _dropout_rng(self.sequence_parallel, self.dropout, self.training):
+            return F.dropout(x, p=self.dropout, training=self.training)
+
+
+class SelfAttention(nn.Module):
+    """Causal multi-head self-attention over this TP rank's heads (num_heads / tp of them)."""
+
+    def __init__(self, config: ModelConfig, parallel: ParallelConfig, ops: ElementwiseOps, output_std: float) -> None:
+        super().__init__()
+        h, tp = config.hidden_size, parallel.tensor_model_parallel_size
+        sp = parallel.sequence_parallel
+        self.num_heads_local = config.num_attention_heads // tp
+        self.head_dim = h // config.num_attention_heads
+        self.attention_dropout = config.attention_dropout
+        self.backend = config.attention_backend
+        self.recompute_core = parallel.recompute_granularity == "selective"
+        self.ops = ops
+        # Output rows per head are [q (head_dim rows), k, v]: Megatron's checkpoint_version 3.0 order.
+        self.query_key_value = ColumnParallelLinear(h, 3 * h, sequence_parallel=sp,
+                                                    init_method=normal_init(config.init_method_std))
+        self.dense = RowParallelLinear(h, h, input_is_parallel=True, sequence_parallel=sp, skip_bias_add=True,
+                                       init_method=normal_init(output_std))
+
+    def core_attention(self, q, k, v):
+        """softmax(q k^T / sqrt(d), causal) v on [b, heads, s, d]; dropout inside the TP region."""
+        p = self.attention_dropout if self.training else 0.0
+        with _dropout_rng(True, p, self.training):
+            if self.backend == "sdpa":
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            probs = self.ops.scaled_causal_softmax(q @ k.transpose(-2, -1), 1.0 / math.sqrt(self.head_dim))
+            return F.dropout(probs, p=p, training=self.training) @ v
+
+    def forward(self, x):
+        qkv = self.query_key_value(x)  # [s, b, 3h/tp]
+        s, b = qkv.shape[:2]
+        qkv = qkv.view(s, b, self.num_heads_local, 3, self.head_dim)
+        q, k, v = (qkv[:, :, :, i].permute(1, 2, 0, 3) for i in range(3))  # each [b, heads, s, d]
+        if self.recompute_core:
+            context = checkpoint(self.core_attention, q, k, v)
+        else:
+            context = self.core_attention(q, k, v)
+        context = context.permute(2, 0, 1, 3).reshape(s, b, self.num_heads_local * self.head_dim)
+        return self.dense(context)  # (output [s, b, h] or its SP chunk, bias)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, parallel: ParallelConfig, ops: ElementwiseOps, output_std: float) -> None:
+        super().__init__()
+        h, ffn, sp = config.hidden_size, config.ffn_size, parallel.sequence_parallel
+        self.ops = ops
+        self.dense_h_to_4h = ColumnParallelLinear(h, ffn, sequence_parallel=sp, skip_bias_add=True,
+                                                  init_method=normal_init(config.init_method_std))
+        self.dense_4h_to_h = RowParallelLinear(ffn, h, input_is_parallel=True, sequence_parallel=sp,
+                                               skip_bias_add=True, init_method=normal_init(output_std))
+
+    def forward(self, x):
+        x, bias = self.dense_h_to_4h(x)
+        return self.dense_4h_to_h(self.ops.bias_gelu(x, bias))
+
+
+class TransformerLayer(nn.Module):
+    """Pre-LN block: x + dropout(Attn(LN(x))), then x + dropout(MLP(LN(x)))."""
+
+    def __init__(self, config: ModelConfig, parallel: ParallelConfig, ops: ElementwiseOps) -> None:
+        super().__init__()
+        sp = parallel.sequence_parallel
+        output_std = config.init_method_std / math.sqrt(2.0 * config.num_layers)
+        self.hidden_dropout = config.hidden_dropout
+        self.sequence_parallel = sp
+        self.ops = ops
+        self.input_layernorm = LayerNorm(config.hidden_size, config.layernorm_epsilon, ops, sp)
+        self.self_attention = SelfAttention(config, parallel, ops, output_std)
+        self.post_attention_layernorm = LayerNorm(config.hidden_size, config.layernorm_epsilon, ops, sp)
+        self.mlp = MLP(config, parallel, ops, output_std)
+
+    def _residual(self, out, bias, residual):
+        with _dropout_rng(self.sequence_parallel, self.hidden_dropout, self.training):
+            return self.ops.bias_dropout_add(out, bias, residual, self.hidden_dropout, self.training)
+
+    def forward(self, x):
+        x = self._residual(*self.self_attention(self.input_layernorm(x)), x)
+        return self._residual(*self.mlp(self.post_attention_layernorm(x)), x)
+
+
+class Encoder(nn.Module):
+    """This pipeline stage's layers (numbered 0.. locally), and the final LayerNorm on the last stage."""
+
+    def __init__(self, config: ModelConfig, parallel: ParallelConfig, ops: ElementwiseOps, num_layers: int,
+                 final_layernorm: bool) -> None:
+        super().__init__()
+        self.recompute_layers = parallel.recompute_granularity == "full"
+        self.layers = nn.ModuleList(TransformerLayer(config, parallel, ops) for _ in range(num_layers))
+        if final_layernorm:
+            self.final_layernorm = LayerNorm(config.hidden_size, config.layernorm_epsilon, ops,
+                                             parallel.sequence_parallel)
+        else:
+            self.final_layernorm = None
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = checkpoint(layer, x) if self.recompute_layers else layer(x)
+        return self.final_layernorm(x) if self.final_layernorm is not None else x
+
+
+# ----------------------------------------------------------------------------------------------
+# The model
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_layout(config: ModelConfig, parallel: ParallelConfig, padded_vocab_size: int) -> None:
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    live_tp = parallel_state.get_tensor_model_parallel_world_size()
+    live_pp = parallel_state.get_pipeline_model_parallel_world_size()
+    # A single process may build any one pipeline stage (pre/post_process, layer_offset given),
+    # but tensor parallelism always needs its process group.
+    if tp != live_tp or (live_pp != 1 and pp != live_pp):
+        raise UserError(f"the model asks for TP {tp} x PP {pp} but the process groups are TP {live_tp} x PP "
+                        f"{live_pp}; call parallel_state.initialize_model_parallel({tp}, {pp}) before building")
+    parallel_state.validate_layout(tp * pp, tp, pp, config.num_attention_heads, config.num_layers,
+                                   ffn_hidden_size=config.ffn_size, padded_vocab_size=padded_vocab_size,
+                                   seq_length=config.seq_length, sequence_parallel=parallel.sequence_parallel)
+
+
+def _parameter_seed(seed: int, global_name: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{global_name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+class GPTModel(nn.Module):
+    """One pipeline stage (by default: the whole model) of a tensor-parallel GPT.
+
+    pre_process / post_process default to this rank's pipeline position (first / last stage),
+    layer_offset to pp_rank x layers per stage. `init_seed` defaults to torch.initial_seed(), so
+    seeding torch before building (as `model_parallel_manual_seed` does) fixes the weights.
+    """
+
+    def __init__(self, config: ModelConfig, parallel: ParallelConfig, padded_vocab_size: int, *,
+                 pre_process: Optional[bool] = None, post_process: Optional[bool] = None,
+                 layer_offset: Optional[int] = None, fusions=None, init_seed: Optional[int] = None) -> None:
+        super().__init__()
+        _check_layout(config, parallel, padded_vocab_size)
+        pp = parallel.pipeline_model_parallel_size
+        self.config, self.parallel = config, parallel
+        self.padded_vocab_size = padded_vocab_size
+        self.pre_process = parallel_state.is_pipeline_first_stage() if pre_process is None else pre_process
+        self.post_process = parallel_state.is_pipeline_last_stage() if post_process is None else post_process
+        layers_per_stage = config.num_layers // pp
+        if layer_offset is None:
+            layer_offset = parallel_state.get_pipeline_model_parallel_rank() * layers_per_stage
+        self.layer_offset = layer_offset
+        self.sequence_parallel = parallel.sequence_parallel
+        self.tied = not config.untie_embeddings_and_output_weights
+        self.ops = ElementwiseOps(config.gelu_approximation, fusions)
+        self.input_tensor: Optional[torch.Tensor] = None
+
+        if self.pre_process:
+            self.embedding = Embedding(config, padded_vocab_size, self.sequence_parallel)
+        self.encoder = Encoder(config, parallel, self.ops, layers_per_stage, final_layernorm=self.post_process)
+        if self.post_process and not self.tied:
+            self.output_layer = ColumnParallelLinear(config.hidden_size, padded_vocab_size, bias=False,
+                                                     sequence_parallel=self.sequence_parallel,
+                                                     init_method=normal_init(config.init_method_std))
+        if self.post_process and self.tied and not self.pre_process:
+            # The last stage's copy of the tied word embeddings; initialized like the first stage's
+            # (same global name, same draw), and kept equal by the embedding-group all-reduce.
+            self.word_embeddings_for_head = VocabParallelEmbedding(padded_vocab_size, config.hidden_size)
+        for param in self.shared_embedding_parameters():
+            param.shared_embedding = True
+        self.initialize_parameters(torch.initial_seed() if init_seed is None else init_seed)
+
+    # -- structure ---------------------------------------------------------------------------
+    @property
+    def layer_range(self) -> range:
+        """Global layer numbers held by this stage."""
+        return range(self.layer_offset, self.layer_offset + len(self.encoder.layers))
+
+    def head_weight(self) -> torch.Tensor:
+        if not self.tied:
+            return self.output_layer.weight
+        return self.embedding.word_embeddings.weight if self.pre_process else self.word_embeddings_for_head.weight
+
+    def shared_embedding_parameters(self) -> list[nn.Parameter]:
+        """The tied word-embedding weight on the first and last stage (all-reduce its gradient
+        over the embedding group); empty on middle stages and when untied."""
+        if not self.tied:
+            return []
+        if self.pre_process:
+            return [self.embedding.word_embeddings.weight]
+        if self.post_process:
+            return [self.word_embeddings_for_head.weight]
+        return []
+
+    def sequence_parallel_parameters(self) -> list[nn.Parameter]:
+        """Replicated parameters that saw only this rank's sequence chunk: all-reduce grads over TP."""
+        return [p for p in self.parameters() if getattr(p, "sequence_parallel", False)]
+
+    def describe_backends(self) -> str:
+        attention = {"sdpa": "F.scaled_dot_product_attention", "unfused": "explicit softmax(QK^T)V"}
+        return (f"attention: {attention[self.config.attention_backend]}; {self.ops.describe()}; "
+                f"recompute: {self.parallel.recompute_granularity or 'none'}")
+
+    def global_parameter_name(self, name: str) -> str:
+        """The name a parameter has in the single-process model (global layer number, tied head
+        weight = the word embedding): what initialization is keyed by."""
+        if name == "word_embeddings_for_head.weight":
+            return "embedding.word_embeddings.weight"
+        return re.sub(r"^encoder\.layers\.(\d+)\.", lambda m: f"encoder.layers.{int(m[1]) + self.layer_offset}.",
+                      name)
+
+    @torch.no_grad()
+    def initialize_parameters(self, seed: int) -> None:
+        """Megatron's init: normal(0, std); the block output projections std / sqrt(2 L); biases
+        zero; norms one. Each full tensor is drawn from its own generator (seed, global name)."""
+        std = self.config.init_method_std
+        output_std = std / math.sqrt(2.0 * self.config.num_layers)
+        for name, param in self.named_parameters():
+            if name.endswith("layernorm.weight"):
+                method = ones_init
+            elif name.endswith(".bias"):
+                method = zeros_init
+            elif name.endswith(("self_attention.dense.weight", "mlp.dense_4h_to_h.weight")):
+                method = normal_init(output_std)
+            else:
+                method = normal_init(std)
+            generator = torch.Generator().manual_seed(_parameter_seed(seed, self.global_parameter_name(name)))
+            initialize_parameter(param, method, generator)
+
+    # -- running -----------------------------------------------------------------------------
+    def set_input_tensor(self, input_tensor) -> None:
+        """The previous stage's output for a non-first stage (a tensor, or a list holding one)."""
+        if isinstance(input_tensor, (list, tuple)):
+            input_tensor = input_tensor[0] if input_tensor else None
+        self.input_tensor = input_tensor
+
+    def forward(self, input_ids: Optional[torch.Tensor], position_ids: Optional[torch.Tensor],
+                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.pre_process:
+            hidden = self.embedding(input_ids, position_ids)
+        else:
+            if self.input_tensor is None:
+                raise RuntimeError("GPTModel on a non-first pipeline stage needs set_input_tensor(...) before forward")
+            hidden = self.input_tensor
+        hidden = self.encoder(hidden)
+        if not self.post_process:
+            return hidden
+        logits = column_parallel_linear(hidden, self.head_weight(), None, sequence_parallel=self.sequence_parallel)
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()  # [b, s, V/tp]
+        return self.ops.cross_entropy(logits, labels.t()).t().contiguous()  # [b, s] float32

@@ -1,0 +1,262 @@
+"""Process groups for tensor (TP), pipeline (PP) and data (DP) parallelism, and rank queries.
+
+Rank order is Megatron's: TP ranks are adjacent, then DP, then PP. For world 8, TP 2, PP 2:
+
+    TP groups  [0,1] [2,3] [4,5] [6,7]
+    DP groups  [0,2] [1,3] [4,6] [5,7]
+    PP groups  [0,4] [1,5] [2,6] [3,7]
+
+i.e. rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank. The embedding group of a pipeline is
+its first and last stage (the tied word embeddings live on both), and the model-parallel group
+(TP x PP) is the set of ranks that hold one full copy of the model (grad-norm reductions).
+
+Without `initialize_model_parallel` (or without torch.distributed at all) every query answers
+as a single process: world 1, rank 0, group None, first and last pipeline stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.distributed as dist
+
+from megatron_core.errors import UserError
+
+
+class ParallelLayoutError(UserError):
+    """The requested TP x PP x DP layout cannot be built for this world or model."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Pure rank arithmetic (no process groups): what the group builder uses, testable anywhere
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Every group of a layout as lists of global ranks."""
+
+    tensor: list[list[int]]
+    data: list[list[int]]
+    pipeline: list[list[int]]
+    model: list[list[int]]  # TP x PP: one full model replica
+    embedding: list[list[int]]  # first and last stage of each pipeline (one rank when PP == 1)
+
+
+def validate_layout(world_size: int, tp: int, pp: int, num_attention_heads: Optional[int] = None,
+                    num_layers: Optional[int] = None, *, ffn_hidden_size: Optional[int] = None,
+                    padded_vocab_size: Optional[int] = None, seq_length: Optional[int] = None,
+                    sequence_parallel: bool = False, global_batch_size: Optional[int] = None,
+                    micro_batch_size: Optional[int] = None) -> None:
+    """Refuse a layout that cannot work, with one message naming every number that disagrees."""
+    problems = [f"{name} must be >= 1 (got {value})"
+                for name, value in (("world size", world_size), ("tensor_model_parallel_size", tp),
+                                    ("pipeline_model_parallel_size", pp)) if value < 1]
+    if problems:
+        raise ParallelLayoutError("impossible parallel layout: " + "; ".join(problems))
+    if world_size % (tp * pp):
+        problems.append(f"world size {world_size} is not divisible by tensor_model_parallel_size {tp} x "
+                        f"pipeline_model_parallel_size {pp} = {tp * pp}")
+    if num_attention_heads is not None and num_attention_heads % tp:
+        problems.append(f"num_attention_heads {num_attention_heads} is not divisible by tensor_model_parallel_size {tp}")
+    if ffn_hidden_size is not None and ffn_hidden_size % tp:
+        problems.append(f"ffn_hidden_size {ffn_hidden_size} is not divisible by tensor_model_parallel_size {tp}")
+    if padded_vocab_size is not None and padded_vocab_size % tp:
+        problems.append(f"padded vocabulary {padded_vocab_size} is not divisible by tensor_model_parallel_size {tp}")
+    if num_layers is not None and num_layers % pp:
+        problems.append(f"num_layers {num_layers} is not divisible by pipeline_model_parallel_size {pp}")
+    if sequence_parallel and tp == 1:
+        problems.append("sequence_parallel needs tensor_model_parallel_size > 1")
+    if sequence_parallel and seq_length is not None and seq_length % tp:
+        problems.append(f"seq_length {seq_length} is not divisible by tensor_model_parallel_size {tp} "
+                        "(sequence parallel splits the sequence)")
+    if global_batch_size is not None and micro_batch_size is not None and not world_size % (tp * pp):
+        dp = world_size // (tp * pp)
+        if global_batch_size % (micro_batch_size * dp):
+            problems.append(f"global_batch_size {global_batch_size} is not divisible by micro_batch_size "
+                            f"{micro_batch_size} x data-parallel size {dp}")
+    if problems:
+        raise ParallelLayoutError("impossible parallel layout: " + "; ".join(problems)
+                                  + "; change the recipe's parallel sizes or model shape")
+
+
+def rank_layout(world_size: int, tp: int, pp: int) -> RankLayout:
+    validate_layout(world_size, tp, pp)
+    dp = world_size // (tp * pp)
+
+    def rank(t: int, d: int, p: int) -> int:
+        return p * dp * tp + d * tp + t
+
+    tensor = [[rank(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)]
+    data = [[rank(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)]
+    pipeline = [[rank(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)]
+    model = [[rank(t, d, p) for p in range(pp) for t in range(tp)] for d in range(dp)]
+    embedding = [sorted({group[0], group[-1]}) for group in pipeline]
+    return RankLayout(tensor=tensor, data=data, pipeline=pipeline, model=model, embedding=embedding)
+
+
+# ----------------------------------------------------------------------------------------------
+# Process groups of this process
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Group:
+    group: Optional[dist.ProcessGroup]
+    ranks: list[int]  # global ranks, in group order
+
+    @property
+    def rank(self) -> int:
+        return self.ranks.index(dist.get_rank())
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+
+_GROUPS: dict[str, _Group] = {}
+
+
+def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1) -> None:
+    """Build every TP, DP, PP, embedding and model-parallel group (call on all ranks, same sizes)."""
+    if _GROUPS:
+        raise RuntimeError("model parallel groups are already initialized; call destroy_model_parallel() first")
+    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    if not dist.is_initialized():
+        if tp * pp != 1:
+            raise ParallelLayoutError(
+                f"tensor_model_parallel_size {tp} x pipeline_model_parallel_size {pp} needs torch.distributed; "
+                "launch with torchrun (or run_distributed in tests)")
+        return  # single process: every query already answers world 1
+    layout = rank_layout(dist.get_world_size(), tp, pp)
+    me = dist.get_rank()
+    for kind in ("tensor", "data", "pipeline", "model", "embedding"):
+        for ranks in getattr(layout, kind):
+            group = dist.new_group(ranks)  # collective: every rank creates every group, in order
+            if me in ranks:
+                _GROUPS[kind] = _Group(group, ranks)
+    # On a middle pipeline stage (PP > 2) this rank belongs to no embedding group.
+    _GROUPS.setdefault("embedding", _Group(None, []))
+
+
+def model_parallel_is_initialized() -> bool:
+    return bool(_GROUPS)
+
+
+def destroy_model_parallel() -> None:
+    """Forget the groups (the default process group itself is left to its owner)."""
+    for entry in _GROUPS.values():
+        if entry.group is not None and dist.is_initialized():
+            dist.destroy_process_group(entry.group)
+    _GROUPS.clear()
+
+
+def _group(kind: str) -> Optional[_Group]:
+    return _GROUPS.get(kind)
+
+
+def _group_handle(kind: str) -> Optional[dist.ProcessGroup]:
+    entry = _group(kind)
+    return entry.group if entry else None
+
+
+def _group_rank(kind: str) -> int:
+    entry = _group(kind)
+    return entry.rank if entry and entry.ranks else 0
+
+
+def _group_world_size(kind: str) -> int:
+    entry = _group(kind)
+    return entry.world_size if entry else 1
+
+
+def get_tensor_model_parallel_group() -> Optional[dist.ProcessGroup]:
+    return _group_handle("tensor")
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return _group_rank("tensor")
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    return _group_world_size("tensor")
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    """Global rank of TP rank 0 in this rank's TP group (where a data batch is broadcast from)."""
+    entry = _group("tensor")
+    return entry.ranks[0] if entry else 0
+
+
+def get_pipeline_model_parallel_group() -> Optional[dist.ProcessGroup]:
+    return _group_handle("pipeline")
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    return _group_rank("pipeline")
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    return _group_world_size("pipeline")
+
+
+def get_pipeline_model_parallel_ranks() -> list[int]:
+    """Global ranks of this rank's pipeline, stage 0 first."""
+    entry = _group("pipeline")
+    return list(entry.ranks) if entry else [0]
+
+
+def get_pipeline_model_parallel_next_rank() -> int:
+    """Global rank of the next stage (wraps around, as Megatron)."""
+    ranks = get_pipeline_model_parallel_ranks()
+    return ranks[(get_pipeline_model_parallel_rank() + 1) % len(ranks)]
+
+
+def get_pipeline_model_parallel_prev_rank() -> int:
+    ranks = get_pipeline_model_parallel_ranks()
+    return ranks[(get_pipeline_model_parallel_rank() - 1) % len(ranks)]
+
+
+def is_pipeline_first_stage() -> bool:
+    return get_pipeline_model_parallel_rank() == 0
+
+
+def is_pipeline_last_stage() -> bool:
+    return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
+
+
+def get_data_parallel_group() -> Optional[dist.ProcessGroup]:
+    return _group_handle("data")
+
+
+def get_data_parallel_rank() -> int:
+    return _group_rank("data")
+
+
+def get_data_parallel_world_size() -> int:
+    return _group_world_size("data")
+
+
+def get_model_parallel_group() -> Optional[dist.ProcessGroup]:
+    """TP x PP ranks holding one model replica: reduce grad norms and inf checks over this."""
+    return _group_handle("model")
+
+
+def get_model_parallel_world_size() -> int:
+    return _group_world_size("model")
+
+
+def get_embedding_group() -> Optional[dist.ProcessGroup]:
+    """First and last pipeline stage of this rank's pipeline (None on middle stages or uninitialized)."""
+    return _group_handle("embedding")
+
+
+def is_rank_in_embedding_group() -> bool:
+    entry = _group("embedding")
+    return entry is None or (dist.is_initialized() and dist.get_rank() in entry.ranks)
+
+
+def get_embedding_group_world_size() -> int:
+    entry = _group("embedding")
+    return len(entry.ranks) if entry and entry.ranks else 1

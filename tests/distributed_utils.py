@@ -1,0 +1,104 @@
+"""Run a function on N local ranks (gloo, CPU) and collect what each rank returns.
+
+    from distributed_utils import run_distributed      # tests/ is on sys.path under pytest
+    results = run_distributed(my_fn, 2, arg1, arg2)   # [rank0_result, rank1_result]
+
+`fn` must be importable (a module-level function): children are started with the `spawn`
+method. Inside `fn`, torch.distributed is initialized (`dist.get_rank()`,
+`dist.get_world_size()`), torch uses one thread, and the return value may hold tensors (it is
+sent back with torch.save). An exception on any rank is raised in the parent with that rank's
+traceback; a rank that hangs past `timeout` is killed and reported.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _child(rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple, results) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        value = fn(*args)
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        results.put((rank, True, buffer.getvalue()))
+    except BaseException:  # noqa: BLE001 - every failure goes back to the parent with its traceback
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        try:
+            from megatron_core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+        except Exception:  # noqa: BLE001 - teardown must not hide the real result
+            pass
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S,
+                    backend: str = "gloo") -> list:
+    """Run `fn(*args)` on `world_size` ranks; return the list of return values by rank."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(r, world_size, port, backend, fn, args, results), daemon=True)
+             for r in range(world_size)]
+    for proc in procs:
+        proc.start()
+    collected: dict[int, Any] = {}
+    failures: list[str] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while len(collected) + len(failures) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(collected))
+                raise TimeoutError(f"run_distributed({fn.__name__}): ranks {missing} did not finish "
+                                   f"within {timeout:.0f}s" + ("".join(failures) and "\n" + "\n".join(failures)))
+            try:
+                rank, ok, payload = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in collected]
+                if dead and results.empty():
+                    time.sleep(0.5)  # a result may still be in flight from a rank that just exited
+                    if results.empty():
+                        raise RuntimeError(f"run_distributed({fn.__name__}): rank(s) {dead} exited with codes "
+                                           f"{[procs[i].exitcode for i in dead]} without a result") from None
+                continue
+            if ok:
+                collected[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+            else:
+                failures.append(f"--- rank {rank} ---\n{payload}")
+                # The other ranks are probably blocked in a collective with the failed one.
+                break
+        if failures:
+            raise RuntimeError(f"run_distributed({fn.__name__}) failed:\n" + "\n".join(failures))
+        return [collected[r] for r in range(world_size)]
+    finally:
+        for proc in procs:
+            proc.join(timeout=5 if not failures else 0.5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
