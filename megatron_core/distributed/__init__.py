@@ -1,0 +1,169 @@
+"""Process start-up and data parallelism.
+
+    init_distributed(backend=None) -> DistributedInfo
+        Reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT),
+        picks NCCL when CUDA is available and gloo otherwise (or the given backend), sets the CUDA
+        device from the local rank, initializes the default process group and logs the choice.
+        Without WORLD_SIZE (a plain `python -m`) it returns a single-process DistributedInfo and
+        initializes nothing.
+
+    DistributedDataParallel(module, parallel, *, bucket_size=None, reduce_kind="all_reduce")
+        Wraps a GPTModel; see grad_sync.py for the bucketed, overlapped reduction.
+        no_sync(), finish_grad_sync(), set_input_tensor(t), shared_embedding_parameters();
+        state_dict()/load_state_dict() are the module's own (checkpoint keys do not change).
+
+    finalize_model_grads(model)
+        What the schedules call after the last backward: the wrapper's finish_grad_sync(), or,
+        for a bare model (DP = 1), the sequence-parallel and tied-embedding sums on their own.
+
+    DistributedOptimizer: see distributed_optimizer.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_core import parallel_state as ps
+from megatron_core.distributed.grad_sync import (
+    GradSync,
+    ReduceKind,
+    allreduce_embedding_grads,
+    allreduce_sequence_parallel_grads,
+)
+from megatron_core.errors import UserError
+
+
+@dataclass(frozen=True)
+class DistributedInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: Optional[str]  # None: single process, no process group
+    device: torch.device
+
+
+def init_distributed(backend: Optional[str] = None, timeout_minutes: float = 30.0) -> DistributedInfo:
+    """Join the torchrun job described by the environment (see module docstring)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available()
+    if backend is None:
+        backend = "nccl" if cuda else "gloo"
+    if backend not in ("nccl", "gloo"):
+        raise UserError(f"distributed backend {backend!r} is not supported; use 'nccl' (GPUs) or 'gloo' (CPU)")
+    if backend == "nccl" and not cuda:
+        raise UserError("backend 'nccl' needs CUDA GPUs but none is visible; use backend 'gloo' on a CPU")
+    device = torch.device("cpu")
+    if cuda and backend == "nccl":
+        if local_rank >= torch.cuda.device_count():
+            raise UserError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible; "
+                            "launch at most one process per GPU (--nproc-per-node)")
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    if dist.is_initialized():
+        return DistributedInfo(dist.get_rank(), dist.get_world_size(), local_rank, dist.get_backend(), device)
+    if world_size == 1 and "MASTER_ADDR" not in os.environ:
+        print(f"distributed: single process (no process group), device {device}", flush=True)
+        return DistributedInfo(0, 1, 0, None, device)
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if name not in os.environ:
+            raise UserError(f"environment variable {name} is not set; start the job with torchrun "
+                            "(invoke train) rather than plain python")
+    dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(minutes=timeout_minutes),
+                            device_id=device if device.type == "cuda" else None)
+    if rank == 0:
+        print(f"distributed: backend {backend}, world size {world_size}, "
+              f"master {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
+    return DistributedInfo(rank, world_size, local_rank, backend, device)
+
+
+def _shared_embedding_parameters(module) -> list:
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return []  # one stage holds the tied weight once; autograd already sums both uses
+    getter = getattr(module, "shared_embedding_parameters", None)
+    if getter is None:
+        raise TypeError(f"{type(module).__name__} has no shared_embedding_parameters(); pipeline parallelism "
+                        "needs it to sum the tied word-embedding grads of the first and last stage")
+    return list(getter())
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """A model replica whose gradients are averaged over its data-parallel group in buckets."""
+
+    def __init__(self, module: torch.nn.Module, parallel, *, bucket_size: Optional[int] = None,
+                 reduce_kind: ReduceKind = "all_reduce"):
+        super().__init__()
+        self.module = module
+        self.grad_sync = GradSync(list(module.parameters()),
+                                  bucket_size=bucket_size or parallel.ddp_bucket_size,
+                                  reduce_kind=reduce_kind, sequence_parallel=parallel.sequence_parallel,
+                                  shared_embedding_params=_shared_embedding_parameters(module))
+        if ps.get_data_parallel_world_size() > 1:
+            self._broadcast_params()
+
+    def _broadcast_params(self) -> None:
+        """Start every DP replica from DP rank 0's weights (they should agree already; make it certain)."""
+        group = ps.get_data_parallel_group()
+        src_rank = dist.get_global_rank(group, 0)
+        with torch.no_grad():
+            for tensor in list(self.module.parameters()) + list(self.module.buffers()):
+                dist.broadcast(tensor.data, src=src_rank, group=group)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        return self.grad_sync.no_sync()
+
+    def finish_grad_sync(self) -> None:
+        self.grad_sync.finish()
+
+    def set_input_tensor(self, tensor) -> None:
+        self.module.set_input_tensor(tensor)
+
+    def shared_embedding_parameters(self):
+        return self.module.shared_embedding_parameters()
+
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, **kwargs):
+        return self.module.load_state_dict(state_dict, strict=strict, **kwargs)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("module"), name)
+
+
+def finalize_model_grads(model) -> None:
+    """Complete every gradient reduction of this iteration (see module docstring)."""
+    finish = getattr(model, "finish_grad_sync", None)
+    if finish is not None:
+        finish()
+        return
+    if ps.get_data_parallel_world_size() > 1:
+        raise TypeError("data-parallel size > 1 but the model is not wrapped in "
+                        "megatron_core.distributed.DistributedDataParallel; its gradients would not be averaged")
+    params = list(model.parameters())
+    if getattr(getattr(model, "parallel", None), "sequence_parallel", False):
+        allreduce_sequence_parallel_grads(params)
+    allreduce_embedding_grads(_shared_embedding_parameters(model))
+
+
+__all__ = [
+    "DistributedDataParallel",
+    "DistributedInfo",
+    "finalize_model_grads",
+    "init_distributed",
+]

@@ -1,0 +1,222 @@
+"""Data-parallel gradient averaging in buckets, overlapped with the backward pass.
+
+Parameters are grouped, in reverse registration order (roughly the order the backward produces
+their gradients), into buckets of about `bucket_size` elements. A post-accumulate-grad hook on
+each parameter marks it ready; when every parameter of a bucket is ready during the backward of
+the LAST micro batch, the bucket's gradients are copied into one flat fp32 buffer, divided by
+the data-parallel size and reduced asynchronously while the backward goes on. The micro batches
+before it run under `no_sync()`, so their gradients only accumulate locally.
+
+Two kinds of reduction, one bucket layout:
+- "all_reduce" (plain DP): after `finish_grad_sync()` every `param.grad` holds the DP average.
+- "reduce_scatter" (the distributed optimizer, ZeRO-1): each bucket is padded to a multiple of
+  the DP size and DP rank r keeps the r-th equal slice of the summed bucket
+  (`bucket.grad_shard`); `param.grad` is left as the local gradient.
+
+Some gradients need a model-parallel reduction before the DP one: parameters marked
+`sequence_parallel` (LayerNorms and row-parallel biases see only their sequence chunk: sum
+over TP) and the tied word embeddings on the first and last pipeline stage (sum over the
+embedding group). Those parameters live in "late" buckets that the hooks never launch;
+`finish_grad_sync()` first does the model-parallel sums, then reduces the late buckets, so
+either reduction kind sees complete gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Iterable, Literal, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_core import parallel_state as ps
+
+ReduceKind = Literal["all_reduce", "reduce_scatter"]
+
+
+def _reduce_scatter(output: torch.Tensor, source: torch.Tensor, group, async_op: bool):
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, source, group=group, async_op=async_op)
+
+
+def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool = False):
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, shard, group=group, async_op=async_op)
+
+
+def allreduce_sequence_parallel_grads(params: Iterable[torch.nn.Parameter]) -> None:
+    """Sum over TP the grads of parameters marked `sequence_parallel` (each TP rank saw 1/tp of the sequence)."""
+    if ps.get_tensor_model_parallel_world_size() == 1:
+        return
+    grads = [p.grad for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    _allreduce_coalesced(grads, ps.get_tensor_model_parallel_group())
+
+
+def allreduce_embedding_grads(shared_params: Iterable[torch.nn.Parameter]) -> None:
+    """Sum the tied word-embedding grads of the first and last pipeline stage (PP > 1)."""
+    if ps.get_pipeline_model_parallel_world_size() == 1 or ps.get_embedding_group() is None:
+        return
+    grads = []
+    for param in shared_params:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        grads.append(param.grad)
+    _allreduce_coalesced(grads, ps.get_embedding_group())
+
+
+def _allreduce_coalesced(grads: list[torch.Tensor], group) -> None:
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
+
+
+@dataclass
+class Bucket:
+    """A group of parameters reduced together through one flat fp32 buffer."""
+
+    params: list[torch.nn.Parameter]
+    offsets: list[int]  # start of each param in the flat buffer
+    numel: int  # elements used
+    padded_numel: int  # buffer length (a multiple of the DP size for reduce_scatter)
+    late: bool  # launched by finish_grad_sync after the model-parallel sums, never by a hook
+    buffer: torch.Tensor = field(repr=False, default=None)
+    grad_shard: Optional[torch.Tensor] = field(repr=False, default=None)
+    ready: set = field(default_factory=set)
+    handle: object = None
+    launched: bool = False
+
+    def shard_range(self, dp_rank: int, dp_size: int) -> tuple[int, int]:
+        size = self.padded_numel // dp_size
+        return dp_rank * size, (dp_rank + 1) * size
+
+
+def build_buckets(params: list[torch.nn.Parameter], late_ids: set[int], bucket_size: int, pad_to: int,
+                  device: torch.device) -> list[Bucket]:
+    """Ordinary parameters in reverse order cut into buckets of ~bucket_size elements, then the late ones."""
+    buckets: list[Bucket] = []
+
+    def close(group: list[torch.nn.Parameter], late: bool) -> None:
+        if not group:
+            return
+        offsets, total = [], 0
+        for param in group:
+            offsets.append(total)
+            total += param.numel()
+        padded = -(-total // pad_to) * pad_to
+        buckets.append(Bucket(params=list(group), offsets=offsets, numel=total, padded_numel=padded, late=late,
+                              buffer=torch.zeros(padded, dtype=torch.float32, device=device)))
+
+    for late in (False, True):
+        group, size = [], 0
+        for param in reversed(params):
+            if (id(param) in late_ids) != late:
+                continue
+            group.append(param)
+            size += param.numel()
+            if size >= bucket_size:
+                close(group, late)
+                group, size = [], 0
+        close(group, late)
+    return buckets
+
+
+class GradSync:
+    """Hooks, buckets and the reductions of one model replica's parameters over its DP group."""
+
+    def __init__(self, params: list[torch.nn.Parameter], *, bucket_size: int, reduce_kind: ReduceKind,
+                 sequence_parallel: bool, shared_embedding_params: list[torch.nn.Parameter]):
+        self.params = [p for p in params if p.requires_grad]
+        self.reduce_kind = reduce_kind
+        self.group = ps.get_data_parallel_group()
+        self.dp_size, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        self.sequence_parallel = sequence_parallel
+        self.shared_embedding_params = list(shared_embedding_params)
+        late = {id(p) for p in self.shared_embedding_params}
+        if sequence_parallel:
+            late |= {id(p) for p in self.params if getattr(p, "sequence_parallel", False)}
+        device = self.params[0].device if self.params else torch.device("cpu")
+        pad_to = self.dp_size if reduce_kind == "reduce_scatter" else 1
+        self.buckets = build_buckets(self.params, late, max(int(bucket_size), 1), pad_to, device)
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self.sync_enabled = True
+        self.pending = False  # a backward produced gradients that are not reduced yet
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+
+    # -- the backward side ---------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (micro batches before the last one)."""
+        previous, self.sync_enabled = self.sync_enabled, False
+        try:
+            yield
+        finally:
+            self.sync_enabled = previous
+
+    def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
+        self.pending = True
+        if not self.sync_enabled:
+            return
+        bucket = self._bucket_of[id(param)]
+        if bucket.launched:
+            raise RuntimeError("a parameter's gradient was accumulated again after its bucket was reduced "
+                               "(is a parameter used in two recompute segments?); this would lose gradient")
+        bucket.ready.add(id(param))
+        if not bucket.late and len(bucket.ready) == len(bucket.params):
+            self._launch(bucket)
+
+    def _launch(self, bucket: Bucket) -> None:
+        flat = bucket.buffer
+        flat.zero_()
+        for param, offset in zip(bucket.params, bucket.offsets):
+            if param.grad is not None:
+                flat[offset:offset + param.numel()].copy_(param.grad.reshape(-1))
+        bucket.launched = True
+        if self.dp_size > 1:
+            flat.div_(self.dp_size)
+        if self.reduce_kind == "all_reduce":
+            if self.dp_size > 1:
+                bucket.handle = dist.all_reduce(flat, group=self.group, async_op=True)
+            return
+        start, end = bucket.shard_range(self.dp_rank, self.dp_size)
+        if bucket.grad_shard is None:
+            bucket.grad_shard = torch.empty(end - start, dtype=flat.dtype, device=flat.device)
+        if self.dp_size > 1:
+            bucket.handle = _reduce_scatter(bucket.grad_shard, flat, self.group, async_op=True)
+        else:
+            bucket.grad_shard.copy_(flat)
+
+    # -- after the backward --------------------------------------------------------------------
+    def finish(self) -> None:
+        """Complete this iteration's reductions (idempotent until the next backward)."""
+        if not self.pending:
+            return
+        if self.sequence_parallel:
+            allreduce_sequence_parallel_grads(self.params)
+        allreduce_embedding_grads(self.shared_embedding_params)
+        for bucket in self.buckets:
+            if not bucket.launched:  # late buckets, and any whose params got no gradient this time
+                self._launch(bucket)
+        for bucket in self.buckets:
+            if bucket.handle is not None:
+                bucket.handle.wait()
+                bucket.handle = None
+            if self.reduce_kind == "all_reduce" and self.dp_size > 1:
+                for param, offset in zip(bucket.params, bucket.offsets):
+                    reduced = bucket.buffer[offset:offset + param.numel()].view_as(param)
+                    if param.grad is None:
+                        param.grad = torch.zeros_like(param)
+                    param.grad.copy_(reduced)
+            bucket.ready.clear()
+            bucket.launched = False
+        self.pending = False
+
+    def remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
