@@ -1,0 +1,258 @@
+"""Train a recipe: `python -m megatron_core.train --recipe R [--set k=v ...] [--run-dir D] ...`
+
+Builds what the loop needs (process groups, seeds, model, optimizer, datasets), logs every choice
+once at start-up, and runs megatron_core.training.trainer.Trainer. Importable as
+
+    train(recipe, run_dir, data_prefix, tokenizer_files, load=None, save=None, ...) -> summary dict
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from megatron_core import parallel_state as ps
+from megatron_core.config import Recipe, load_recipe
+from megatron_core.errors import UserError
+
+DEFAULT_WORKDIR = "work"
+
+
+class TrainingConfigError(UserError):
+    """A recipe value that the training loop cannot run with."""
+
+
+def check_training_values(recipe: Recipe) -> None:
+    """Refuse, before any work, values the schema allows but training cannot use."""
+    t, m = recipe.training, recipe.model
+    problems = []
+    if t.lr <= 0:
+        problems.append(f"training.lr must be > 0 (got {t.lr})")
+    if t.min_lr < 0:
+        problems.append(f"training.min_lr must be >= 0 (got {t.min_lr})")
+    if t.lr_warmup_iters < 0:
+        problems.append(f"training.lr_warmup_iters must be >= 0 (got {t.lr_warmup_iters})")
+    if t.lr_decay_style != "constant" and t.decay_iters <= t.lr_warmup_iters:
+        problems.append(f"training.lr_decay_iters ({t.decay_iters}) must exceed lr_warmup_iters "
+                        f"({t.lr_warmup_iters}) for {t.lr_decay_style} decay")
+    if t.weight_decay < 0:
+        problems.append(f"training.weight_decay must be >= 0 (got {t.weight_decay})")
+    for name, value in (("adam_beta1", t.adam_beta1), ("adam_beta2", t.adam_beta2)):
+        if not 0.0 <= value < 1.0:
+            problems.append(f"training.{name} must be in [0, 1) (got {value})")
+    if t.adam_eps <= 0:
+        problems.append(f"training.adam_eps must be > 0 (got {t.adam_eps})")
+    if t.clip_grad < 0:
+        problems.append(f"training.clip_grad must be >= 0 (0 turns clipping off; got {t.clip_grad})")
+    if t.eval_iters < 0:
+        problems.append(f"training.eval_iters must be >= 0 (got {t.eval_iters})")
+    if t.save_interval is not None and t.save_interval < 1:
+        problems.append(f"training.save_interval must be >= 1 or null (got {t.save_interval})")
+    if t.fp16:
+        if not 0 < t.min_loss_scale <= t.initial_loss_scale:
+            problems.append(f"training.min_loss_scale {t.min_loss_scale} must be in (0, initial_loss_scale "
+                            f"{t.initial_loss_scale}]")
+        if t.loss_scale_window < 1 or t.hysteresis < 1:
+            problems.append("training.loss_scale_window and training.hysteresis must be >= 1")
+    if m.init_method_std <= 0:
+        problems.append(f"model.init_method_std must be > 0 (got {m.init_method_std})")
+    if problems:
+        raise TrainingConfigError("cannot train this recipe: " + "; ".join(problems))
+
+
+def choose_device(requested: str, local_device: Optional[torch.device] = None) -> torch.device:
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise TrainingConfigError("training.device is 'cuda' but no CUDA GPU is visible; set --set device=cpu")
+    if requested == "cpu":
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return local_device if (local_device is not None and local_device.type == "cuda") else torch.device("cuda")
+    return torch.device("cpu")
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def precision_of(recipe: Recipe) -> tuple[str, torch.dtype]:
+    if recipe.training.fp16:
+        return "fp16", torch.float16
+    if recipe.training.bf16:
+        return "bf16", torch.bfloat16
+    return "fp32", torch.float32
+
+
+def seed_everything(seed: int) -> None:
+    """Megatron's _set_random_seed: seed + 100 x pipeline rank for python, numpy, torch and the TP tracker."""
+    from megatron_core.tensor_parallel.random import model_parallel_manual_seed
+
+    seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    model_parallel_manual_seed(seed)
+
+
+def _vocab_size(tokenizer_files, vocab_size: Optional[int]) -> int:
+    if tokenizer_files:
+        from megatron_core.data.tokenizer import GPT2BPETokenizer
+
+        vocab_file, merge_file = tokenizer_files
+        return GPT2BPETokenizer(str(vocab_file), str(merge_file)).vocab_size
+    if vocab_size is None:
+        raise UserError("no tokenizer: give --vocab-file and --merge-file (or --vocab-size for data tokenized elsewhere)")
+    return int(vocab_size)
+
+
+def _data_prefix_arg(data_prefix):
+    if isinstance(data_prefix, (list, tuple)):
+        items = [str(x) for x in data_prefix]
+        return items[0] if len(items) == 1 else items
+    return str(data_prefix)
+
+
+def build_datasets(recipe: Recipe, data_prefix, cache_dir: Path):
+    from megatron_core.data.gpt_dataset import build_gpt_datasets, samples_per_split
+
+    t = recipe.training
+    counts = samples_per_split(t.train_iters, t.global_batch_size, t.eval_interval, t.eval_iters)
+    return build_gpt_datasets(_data_prefix_arg(data_prefix), split=recipe.data.split,
+                              seq_length=recipe.model.seq_length, num_samples=counts, seed=t.seed,
+                              cache_dir=str(cache_dir))
+
+
+def build_model(recipe: Recipe, padded_vocab_size: int, device: torch.device, dtype: torch.dtype, fusions):
+    from megatron_core.models.gpt import GPTModel
+
+    model = GPTModel(recipe.model, recipe.parallel, padded_vocab_size, fusions=fusions)
+    head_copy = getattr(model, "word_embeddings_for_head", None)
+    if head_copy is not None:
+        head_copy.weight.shared = True  # a duplicate of the first stage's weight: not in the grad norm twice
+    model = model.to(device=device, dtype=dtype)
+    if recipe.training.compile:
+        model.forward = torch.compile(model.forward)  # keeps state_dict keys unchanged
+    return model
+
+
+def train(recipe: Recipe, run_dir, data_prefix, tokenizer_files=None, load=None, save=None, *,
+          save_optim: bool = True, vocab_size: Optional[int] = None, datasets=None) -> dict:
+    """Train `recipe`; outputs under `run_dir` (checkpoints default to run_dir/checkpoints and
+    resume from there). `datasets` (train, valid, test) replaces building them from data_prefix."""
+    from megatron_core.distributed import DistributedDataParallel, init_distributed
+    from megatron_core.fusions import apex_status, fused_adam_class, resolve_backends
+    from megatron_core.training.logging import RunLogger
+    from megatron_core.training.optimizer import AdamSettings, MegatronOptimizer
+    from megatron_core.training.loss_scaler import ConstantGradScaler, DynamicGradScaler
+    from megatron_core.training.trainer import Trainer, _is_log_writer
+
+    check_training_values(recipe)
+    run_dir = Path(run_dir)
+    p, t = recipe.parallel, recipe.training
+    info = init_distributed()
+    if info.world_size != p.world_size:
+        raise TrainingConfigError(f"the recipe's parallel.world_size is {p.world_size} but {info.world_size} "
+                                  "processes were started; launch with that many (invoke train) or --set world_size=N")
+    if info.world_size > 1:
+        ps.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
+    device = choose_device(t.device, info.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    precision, dtype = precision_of(recipe)
+    if precision == "bf16" and device.type == "cpu":
+        raise TrainingConfigError("bf16 training needs a GPU here; set --set bf16=false on a CPU")
+    if precision == "fp16" and device.type == "cpu":
+        raise TrainingConfigError("fp16 training needs a GPU; set --set fp16=false on a CPU")
+    seed_everything(t.seed)
+
+    padded_vocab = recipe.padded_vocab_size(_vocab_size(tokenizer_files, vocab_size))
+    fusions = resolve_backends(t.fusions, t.fusion_overrides, device)
+    model = build_model(recipe, padded_vocab, device, dtype, fusions)
+    inner_model = model
+    if ps.get_data_parallel_world_size() > 1:
+        model = DistributedDataParallel(model, p)
+    fused_adam = fused_adam_class() if device.type == "cuda" else None
+    scaler = (DynamicGradScaler(t.initial_loss_scale, t.min_loss_scale, 2.0, 0.5, t.loss_scale_window, t.hysteresis)
+              if precision == "fp16" else ConstantGradScaler())
+    optimizer = MegatronOptimizer(inner_model, AdamSettings(t.lr, t.weight_decay, t.adam_beta1, t.adam_beta2, t.adam_eps),
+                                  precision=precision, clip_grad=t.clip_grad, grad_scaler=scaler, device=device,
+                                  fused_adam_cls=fused_adam)
+    logger = RunLogger(run_dir, writer=_is_log_writer())
+    if datasets is None:
+        datasets = build_datasets(recipe, data_prefix, run_dir / "index-cache")
+    if datasets[0] is None:
+        raise TrainingConfigError(f"data.split {recipe.data.split!r} gives the train split no documents")
+
+    save = Path(save) if save else run_dir / "checkpoints"
+    load = Path(load) if load else save
+    name = device_name(device)
+    n_params = sum(x.numel() for x in inner_model.parameters())
+    apex = apex_status()
+    logger.info(f"recipe: {recipe.describe()}")
+    logger.info(f"recipe source: {recipe.source or '<in memory>'}; overrides: {recipe.overrides or 'none'}")
+    logger.info(f"layout: world {p.world_size} = TP {p.tensor_model_parallel_size} x PP "
+                f"{p.pipeline_model_parallel_size} x DP {p.data_parallel_size}; micro batch {t.micro_batch_size}, "
+                f"{recipe.num_micro_batches} micro batches per iteration, global batch {t.global_batch_size}")
+    logger.info(f"device: {name}; precision: {precision}; parameters on this rank: {n_params:,}; "
+                f"padded vocab {padded_vocab}")
+    logger.info(f"optimizer: {optimizer.description} (apex FusedAdam importable: "
+                f"{bool(apex.get('apex.optimizers.FusedAdam') and apex.get('amp_C'))})")
+    logger.info(f"{fusions.describe()}")
+    logger.info(f"model: {inner_model.describe_backends()}; compile: {t.compile}")
+    logger.info(f"lr: {t.lr_decay_style} from {t.lr} to {t.min_lr}, warmup {t.lr_warmup_iters}, "
+                f"decay iters {t.decay_iters}; clip_grad {t.clip_grad}; weight decay {t.weight_decay}")
+    logger.info(f"run directory: {run_dir}; checkpoints: save {save}, load {load}")
+    trainer = Trainer(recipe, model, datasets, padded_vocab, run_dir, optimizer=optimizer, device=device, save=save,
+                      load=load, save_optim=save_optim, params_dtype=str(dtype).replace("torch.", ""),
+                      logger=logger, device_name=name, precision=precision)
+    return trainer.fit()
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m megatron_core.train", description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", required=True, help="recipe name, family or YAML path")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--workdir", default=DEFAULT_WORKDIR)
+    parser.add_argument("--run-dir", help="run directory (default: {workdir}/{recipe}/runs/{hash})")
+    parser.add_argument("--data-path", "--data-prefix", dest="data_path", nargs="+",
+                        help="preprocessed prefix, or a blend w1 p1 w2 p2 ...")
+    parser.add_argument("--vocab-file")
+    parser.add_argument("--merge-file")
+    parser.add_argument("--vocab-size", type=int, help="vocabulary size when no tokenizer files are given")
+    parser.add_argument("--load", help="checkpoint directory to resume from (default: the --save directory)")
+    parser.add_argument("--save", help="checkpoint directory (default: {run-dir}/checkpoints)")
+    parser.add_argument("--no-save-optim", action="store_true", help="write model-only checkpoints")
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+        if not args.data_path:
+            raise UserError("no training data: give --data-path PREFIX (invoke train finds the recipe's own)")
+        if (args.vocab_file is None) != (args.merge_file is None):
+            raise UserError("--vocab-file and --merge-file go together: give both")
+        run_dir = Path(args.run_dir) if args.run_dir else Path(args.workdir) / recipe.name / "runs" / recipe.hash
+        tokenizer_files = (args.vocab_file, args.merge_file) if args.vocab_file else None
+        summary = train(recipe, run_dir, args.data_path, tokenizer_files, load=args.load, save=args.save,
+                        save_optim=not args.no_save_optim, vocab_size=args.vocab_size)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if ps.get_data_parallel_rank() == 0 and ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
+        print("summary: " + json.dumps(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,300 @@
+"""The training loop: iterations of forward/backward over micro batches, optimizer step, LR step,
+logging, evaluation and checkpoints, in the order Megatron runs them.
+
+    Trainer(recipe, model, datasets, padded_vocab_size, run_dir, ...).fit() -> summary dict
+
+Everything the loop needs is built by megatron_core.train (or handed in by a test); the loop
+itself knows nothing about files on disk except the run directory and the checkpoint folder.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from megatron_core import parallel_state as ps
+from megatron_core.training import checkpointing as ckpt
+from megatron_core.training import flops as flops_lib
+from megatron_core.training.data_iterators import batch_iterator
+from megatron_core.training.logging import RunLogger, megatron_train_line, write_loss_curve
+from megatron_core.training.lr_schedule import OptimizerParamScheduler
+
+
+def masked_loss_func(loss_mask: torch.Tensor):
+    """Megatron's loss: mean per-token loss over the unmasked tokens of the micro batch."""
+    mask = loss_mask.float()
+
+    def loss_func(per_token_loss: torch.Tensor):
+        loss = (per_token_loss.float() * mask).sum() / mask.sum().clamp(min=1.0)
+        return loss, {"lm loss": loss.detach()}
+
+    return loss_func
+
+
+def gpt_forward_step(data_iterator, model):
+    """forward_step_func of the schedule contract for GPT: one micro batch -> (per-token loss, loss_func)."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
+    return output, masked_loss_func(batch["loss_mask"])
+
+
+@dataclass
+class TrainState:
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    skipped_iterations: int = 0
+    nan_iterations: int = 0
+    # Since the last log line (Megatron averages the loss over the log interval).
+    interval_losses: list = field(default_factory=list)
+    interval_start: float = 0.0
+    interval_iterations: int = 0
+
+
+class StopRequested(Exception):
+    pass
+
+
+class Trainer:
+    def __init__(self, recipe, model: torch.nn.Module, datasets, padded_vocab_size: int, run_dir: Path, *,
+                 optimizer, device: torch.device, save: Optional[Path], load: Optional[Path],
+                 save_optim: bool = True, params_dtype: str = "float32", logger: Optional[RunLogger] = None,
+                 forward_backward_func=None, device_name: str = "cpu", precision: str = "fp32") -> None:
+        from megatron_core.pipeline_parallel import get_forward_backward_func
+
+        self.recipe, self.model, self.device = recipe, model, device
+        self.train_ds, self.valid_ds, self.test_ds = datasets
+        self.padded_vocab_size = padded_vocab_size
+        self.run_dir = Path(run_dir)
+        self.optimizer = optimizer
+        self.save_dir, self.load_dir = (Path(save) if save else None), (Path(load) if load else None)
+        self.save_optim, self.params_dtype, self.precision = save_optim, params_dtype, precision
+        self.logger = logger or RunLogger(self.run_dir, writer=_is_log_writer())
+        self.forward_backward = forward_backward_func or get_forward_backward_func()
+        t = recipe.training
+        self.scheduler = OptimizerParamScheduler(optimizer, max_lr=t.lr, min_lr=t.min_lr,
+                                                 warmup_steps=t.lr_warmup_iters, decay_steps=t.decay_iters,
+                                                 decay_style=t.lr_decay_style)
+        self.state = TrainState()
+        self.num_micro_batches = recipe.num_micro_batches
+        m = recipe.model
+        self.flops_per_iteration = flops_lib.model_flops_per_iteration(
+            global_batch_size=t.global_batch_size, seq_length=m.seq_length, num_layers=m.num_layers,
+            hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_size, padded_vocab_size=padded_vocab_size,
+            full_recompute=recipe.parallel.recompute_granularity == "full")
+        self.peak_tflops = flops_lib.device_peak_tflops(device_name, precision) if device.type == "cuda" else None
+        self._stop_signal: Optional[int] = None
+
+    # -- resume --------------------------------------------------------------------------------
+    def maybe_resume(self) -> None:
+        if self.load_dir is None:
+            return
+        found = ckpt.load_latest(self.load_dir)
+        if found is None:
+            self.logger.info(f"no checkpoint in {self.load_dir}: starting from scratch")
+            return
+        iteration, state = found
+        changed = ckpt.check_recipe_compatible(self.recipe, state["recipe"], state["recipe_hash"], self.load_dir)
+        if changed:
+            self.logger.info(f"resuming with changed resume-safe keys: {', '.join(changed)}")
+        self._unwrapped().load_state_dict(ckpt.flatten_model_state(state["model"]))
+        if "optimizer" in state and "opt_param_scheduler" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["opt_param_scheduler"])
+        else:
+            self.logger.info("checkpoint has no optimizer state (--no-save-optim): optimizer and LR restart; "
+                             "the run is not an exact continuation")
+            self.scheduler.num_steps = iteration
+            self.scheduler.step(0)
+        ckpt.set_rng_state(state["rng_state"][0])
+        self.state.iteration = iteration
+        self.state.consumed_train_samples = int(state["consumed_train_samples"])
+        counters = state.get("train_counters", {})
+        self.state.skipped_iterations = int(counters.get("skipped_iterations", 0))
+        self.state.nan_iterations = int(counters.get("nan_iterations", 0))
+        self.logger.truncate_after(iteration)
+        self.logger.info(f"resumed from {ckpt.iteration_dir(self.load_dir, iteration)} at iteration {iteration} "
+                         f"({self.state.consumed_train_samples} samples consumed)")
+
+    def _unwrapped(self) -> torch.nn.Module:
+        return getattr(self.model, "module", self.model)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def save(self) -> Optional[Path]:
+        if self.save_dir is None:
+            return None
+        s = self.state
+        args = ckpt.megatron_args(self.recipe, self.padded_vocab_size, iteration=s.iteration,
+                                  consumed_train_samples=s.consumed_train_samples, params_dtype=self.params_dtype)
+        start = time.time()
+        path = ckpt.save_checkpoint(
+            self.save_dir, s.iteration, model_state=self._unwrapped().state_dict(), args=args, recipe=self.recipe,
+            optimizer=self.optimizer, scheduler=self.scheduler, consumed_train_samples=s.consumed_train_samples,
+            extra={"train_counters": {"skipped_iterations": s.skipped_iterations,
+                                      "nan_iterations": s.nan_iterations}},
+            save_optim=self.save_optim)
+        self.logger.info(f"saved checkpoint at iteration {s.iteration:7d} to {path} "
+                         f"({time.time() - start:.2f} s)")
+        return path
+
+    # -- signals -------------------------------------------------------------------------------
+    def _install_signal_handlers(self):
+        previous = {}
+
+        def handler(signum, frame):  # noqa: ARG001
+            self._stop_signal = signum
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, handler)
+        return previous
+
+    # -- evaluation ----------------------------------------------------------------------------
+    def evaluate(self, dataset, kind: str, consumed: int, iters: int) -> Optional[dict]:
+        if dataset is None or iters <= 0:
+            return None
+        t = self.recipe.training
+        iterator = batch_iterator(dataset, consumed_samples=consumed, micro_batch_size=t.micro_batch_size,
+                                  dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
+                                  device=self.device, wrap=True)
+        self.model.eval()
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for _ in range(iters):
+                losses = self.forward_backward(gpt_forward_step, iterator, self.model, self.num_micro_batches,
+                                               seq_length=self.recipe.model.seq_length,
+                                               micro_batch_size=t.micro_batch_size, forward_only=True)
+                for d in losses:
+                    total += float(d["lm loss"])
+                    count += 1
+        self.model.train()
+        loss = _average_over_dp(total / count) if count else float("nan")
+        return self.logger.evaluation(kind, self.state.iteration, loss) if count else None
+
+    def _valid_consumed(self, iteration: int) -> int:
+        """Megatron's consumed validation samples before the evaluation at `iteration`."""
+        t = self.recipe.training
+        return (iteration // t.eval_interval - 1) * t.eval_iters * t.global_batch_size if iteration >= t.eval_interval else 0
+
+    # -- one iteration -------------------------------------------------------------------------
+    def train_step(self, data_iterator) -> tuple[float, bool, Optional[float]]:
+        t = self.recipe.training
+        self.optimizer.zero_grad()
+        losses = self.forward_backward(gpt_forward_step, data_iterator, self.model, self.num_micro_batches,
+                                       seq_length=self.recipe.model.seq_length, micro_batch_size=t.micro_batch_size,
+                                       forward_only=False, loss_scale=self.optimizer.loss_scale)
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(1)
+        loss = sum(float(d["lm loss"]) for d in losses) / len(losses) if losses else float("nan")
+        return _average_over_dp(loss) if losses else loss, ok, grad_norm
+
+    def _log_interval(self, lr: float, grad_norm: Optional[float], loss: float, skipped_now: int,
+                      nan_now: int) -> None:
+        t, s = self.recipe.training, self.state
+        elapsed = time.time() - s.interval_start
+        per_iter = elapsed / max(s.interval_iterations, 1)
+        tflops = flops_lib.tflops_per_device(self.flops_per_iteration, per_iter, max(self.recipe.parallel.world_size, 1))
+        tokens_per_s = t.global_batch_size * self.recipe.model.seq_length / per_iter
+        mfu = flops_lib.mfu(tflops, self.peak_tflops)
+        record = {"iteration": s.iteration, "consumed_samples": s.consumed_train_samples, "lm_loss": loss, "lr": lr,
+                  "grad_norm": grad_norm, "loss_scale": self.optimizer.loss_scale, "elapsed_ms": per_iter * 1000.0,
+                  "tokens_per_s": tokens_per_s, "tflops": tflops, "skipped": skipped_now, "nan": nan_now}
+        if mfu is not None:
+            record["mfu"] = mfu
+        extra = f" tokens/s: {tokens_per_s:.0f} |" + (f" MFU: {100 * mfu:.1f}% |" if mfu is not None else "")
+        line = megatron_train_line(iteration=s.iteration, train_iters=t.train_iters,
+                                   consumed_samples=s.consumed_train_samples, elapsed_ms=per_iter * 1000.0,
+                                   tflops=tflops, lr=lr, global_batch_size=t.global_batch_size, lm_loss=loss,
+                                   loss_scale=self.optimizer.loss_scale, grad_norm=grad_norm,
+                                   skipped=skipped_now, nan=nan_now, extra=extra)
+        self.logger.train(record, line)
+
+    # -- the loop ------------------------------------------------------------------------------
+    def fit(self) -> dict:
+        t, s = self.recipe.training, self.state
+        self.maybe_resume()
+        data_iterator = None
+        if s.iteration < t.train_iters:
+            data_iterator = batch_iterator(self.train_ds, consumed_samples=s.consumed_train_samples,
+                                           micro_batch_size=t.micro_batch_size, dp_rank=ps.get_data_parallel_rank(),
+                                           dp_size=ps.get_data_parallel_world_size(), device=self.device)
+        previous_handlers = self._install_signal_handlers()
+        last_valid, stopped_by = None, None
+        saved_at = None
+        try:
+            self.model.train()
+            s.interval_start, s.interval_iterations = time.time(), 0
+            skipped_since, nan_since, losses_since = 0, 0, []
+            while s.iteration < t.train_iters:
+                loss, ok, grad_norm = self.train_step(data_iterator)
+                s.iteration += 1
+                s.interval_iterations += 1
+                s.consumed_train_samples += t.global_batch_size
+                if not ok:
+                    s.skipped_iterations += 1
+                    skipped_since += 1
+                elif not math.isfinite(loss):
+                    s.nan_iterations += 1
+                    nan_since += 1
+                else:
+                    losses_since.append(loss)
+                if s.iteration % t.log_interval == 0:
+                    mean_loss = sum(losses_since) / len(losses_since) if losses_since else float("nan")
+                    self._log_interval(self.optimizer.param_groups[0]["lr"], grad_norm, mean_loss,
+                                       skipped_since, nan_since)
+                    s.interval_start, s.interval_iterations = time.time(), 0
+                    skipped_since, nan_since, losses_since = 0, 0, []
+                if s.iteration % t.eval_interval == 0:
+                    last_valid = self.evaluate(self.valid_ds, "valid", self._valid_consumed(s.iteration), t.eval_iters)
+                if t.save_interval and s.iteration % t.save_interval == 0:
+                    self.save()
+                    saved_at = s.iteration
+                if self._stop_signal is not None:
+                    stopped_by = signal.Signals(self._stop_signal).name
+                    break
+            if stopped_by is None and s.iteration % t.eval_interval != 0:
+                last_valid = self.evaluate(self.valid_ds, "valid", self._valid_consumed(s.iteration + t.eval_interval),
+                                           t.eval_iters) or last_valid
+            if saved_at != s.iteration:
+                self.save()
+            test = None
+            if stopped_by is None:
+                test = self.evaluate(self.test_ds, "test", 0, t.eval_iters)
+        finally:
+            for sig, previous in previous_handlers.items():
+                signal.signal(sig, previous)
+        if self.logger.writer:
+            write_loss_curve(self.run_dir, title=f"{self.recipe.name} [{self.recipe.hash}]")
+        self.logger.close()
+        summary = {"iteration": s.iteration, "consumed_train_samples": s.consumed_train_samples,
+                   "skipped_iterations": s.skipped_iterations, "nan_iterations": s.nan_iterations,
+                   "valid": last_valid, "test": test, "run_dir": str(self.run_dir),
+                   "checkpoint": str(ckpt.iteration_dir(self.save_dir, s.iteration)) if self.save_dir else None,
+                   "stopped_by": stopped_by}
+        if stopped_by is not None:
+            self.logger.info(f"received {stopped_by}: saved checkpoint at iteration {s.iteration} to "
+                             f"{summary['checkpoint']}; exiting")
+        return summary
+
+
+def _is_log_writer() -> bool:
+    """The last pipeline stage's first TP/DP rank holds the losses; it writes the run outputs."""
+    return (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_data_parallel_rank() == 0)
+
+
+def _average_over_dp(value: float) -> float:
+    group = ps.get_data_parallel_group()
+    if group is None or ps.get_data_parallel_world_size() == 1:
+        return value
+    import torch.distributed as dist
+
+    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, group=group)
+    return float(tensor.item()) / ps.get_data_parallel_world_size()
