@@ -1,0 +1,131 @@
+"""Hugging Face GPT2 directory -> Megatron-layout checkpoint (any TP x PP), so training can go on.
+
+    python -m megatron_core.convert.hf_to_megatron --model HF_DIR --save CKPT_DIR [--tp N] [--pp M]
+
+The checkpoint holds the model (checkpoint_version 3.0), args and iteration; no optimizer state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Union
+
+import torch
+
+from megatron_core.convert.gpt2_mapping import gpt2_to_megatron_state
+from megatron_core.convert.megatron_to_hf import PROVENANCE_FILE, publish_dir
+from megatron_core.convert.shards import (
+    TRACKER_FILE,
+    ModelShape,
+    args_for_shape,
+    check_divisible,
+    split_state,
+    write_checkpoint,
+)
+from megatron_core.errors import UserError
+
+_GELU = {"gelu_new": "tanh", "gelu_fast": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
+
+
+def shape_from_hf_config(config: dict) -> ModelShape:
+    if config.get("model_type") != "gpt2":
+        raise UserError(f"model_type {config.get('model_type')!r} is not gpt2; only GPT2 models import")
+    act = config.get("activation_function", "gelu_new")
+    if act not in _GELU:
+        raise UserError(f"activation_function {act!r} has no Megatron GeLU equivalent ({', '.join(_GELU)})")
+    if config.get("scale_attn_by_inverse_layer_idx") or config.get("reorder_and_upcast_attn"):
+        raise UserError("scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn have no Megatron equivalent")
+    h = config["n_embd"]
+    return ModelShape(
+        num_layers=config["n_layer"],
+        hidden_size=h,
+        num_attention_heads=config["n_head"],
+        ffn_hidden_size=config.get("n_inner") or 4 * h,
+        padded_vocab_size=config["vocab_size"],
+        max_position_embeddings=config["n_positions"],
+        gelu_approximation=_GELU[act],
+        tied_embeddings=config.get("tie_word_embeddings", True),
+        layernorm_epsilon=config.get("layer_norm_epsilon", 1e-5),
+    )
+
+
+def read_hf_state(model_dir: Path) -> dict:
+    st, bin_ = model_dir / "model.safetensors", model_dir / "pytorch_model.bin"
+    if st.exists():
+        from safetensors.torch import load_file
+
+        return load_file(str(st))
+    if bin_.exists():
+        return torch.load(bin_, map_location="cpu", weights_only=True)
+    raise UserError(f"{model_dir} has neither model.safetensors nor pytorch_model.bin (sharded HF weights are not "
+                    "supported); save the model with save_pretrained(max_shard_size='100GB')")
+
+
+def import_hf_model(model: Union[str, Path], save: Union[str, Path], tp: int = 1, pp: int = 1,
+                    iteration: Union[int, str] = "release", overwrite: bool = False) -> dict:
+    model, save = Path(model), Path(save)
+    config_file = model / "config.json"
+    if not config_file.exists():
+        raise UserError(f"{model} has no config.json; pass a Hugging Face model directory")
+    config = json.loads(config_file.read_text())
+    shape = shape_from_hf_config(config)
+    check_divisible(shape, tp, pp)
+    if (save / TRACKER_FILE).exists() and not overwrite:
+        raise UserError(f"{save} already holds a checkpoint; pass --overwrite to replace it")
+    hf_state = {k.removeprefix("model."): v for k, v in read_hf_state(model).items()}
+    if not shape.tied_embeddings and "lm_head.weight" not in hf_state:
+        raise UserError(f"{model}: untied embeddings but no lm_head.weight in the weights")
+    state = gpt2_to_megatron_state(hf_state, shape)
+    models = split_state(state, shape, tp, pp)
+    provenance = {}
+    if (model / PROVENANCE_FILE).exists():
+        provenance = json.loads((model / PROVENANCE_FILE).read_text())
+    extra_args = {}
+    if (model / "vocab.json").exists() and (model / "merges.txt").exists():
+        # the tokenizer is copied beside the checkpoint; the args name it at its final place
+        final = save.resolve()
+        extra_args = {"vocab_file": str(final / "vocab.json"), "merge_file": str(final / "merges.txt")}
+    args = args_for_shape(shape, tp, pp, **extra_args)
+    extra = {"recipe_hash": provenance.get("recipe_hash"), "hf_source": str(model.resolve())}
+    save.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{save.name}.tmp-", dir=save.parent))
+    try:
+        write_checkpoint(tmp, models, args, iteration, extra)
+        for name in ("vocab.json", "merges.txt"):  # keep the tokenizer beside the checkpoint
+            if (model / name).exists():
+                shutil.copyfile(model / name, tmp / name)
+        if save.exists() and not overwrite and any(save.iterdir()):
+            raise UserError(f"{save} is not empty; pass --overwrite to replace it")
+        publish_dir(tmp, save, overwrite=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    print(f"import: wrote {save} (TP {tp} x PP {pp}, iteration {iteration}) from {model}", flush=True)
+    return {"save": str(save), "tp": tp, "pp": pp, "iteration": iteration, "shape": shape.__dict__}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_core.convert.hf_to_megatron", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True, help="Hugging Face GPT2 directory")
+    parser.add_argument("--save", required=True, help="output Megatron checkpoint directory")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--iteration", default="release", help="iteration number to record, or 'release'")
+    parser.add_argument("--overwrite", action="store_true")
+    ns = parser.parse_args(argv)
+    try:
+        iteration = ns.iteration if ns.iteration == "release" else int(ns.iteration)
+        import_hf_model(ns.model, ns.save, ns.tp, ns.pp, iteration, ns.overwrite)
+    except (UserError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

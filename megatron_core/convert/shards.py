@@ -1,0 +1,414 @@
+"""Read a Megatron-layout checkpoint of any (TP, PP) layout and version into one full state.
+
+The merged state uses our canonical names (conventions item 2, flat, global layer numbers) and
+the checkpoint_version 2.0/3.0 QKV row order (per head [q, k, v]):
+
+    embedding.word_embeddings.weight, embedding.position_embeddings.weight,
+    encoder.layers.{i}.{input_layernorm, self_attention.query_key_value, self_attention.dense,
+                       post_attention_layernorm, mlp.dense_h_to_4h, mlp.dense_4h_to_h}.{weight,bias},
+    encoder.final_layernorm.{weight,bias}, output_layer.weight (untied only)
+
+`split_state` is the inverse: full state -> per-(tp, pp) nested `model` dicts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+
+from megatron_core.errors import UserError
+from megatron_core.training.checkpointing import load_checkpoint_file, nest_model_state
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+SHARD_FILE = "model_optim_rng.pt"
+_SHARD_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+
+# Partition dimension of each tensor-parallel weight (None: replicated on every TP rank).
+_VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "word_embeddings_for_head.weight", "output_layer.weight")
+_COLUMN_PARALLEL = ("self_attention.query_key_value.weight", "self_attention.query_key_value.bias",
+                    "mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias")
+_ROW_PARALLEL = ("self_attention.dense.weight", "mlp.dense_4h_to_h.weight")
+
+# Older and newer Megatron spellings -> ours (applied to the flattened key, in order).
+_RENAMES = (
+    (re.compile(r"^transformer\."), "encoder."),
+    (re.compile(r"\.attention\."), ".self_attention."),
+    (re.compile(r"\.input_norm\."), ".input_layernorm."),
+    (re.compile(r"\.post_attention_norm\."), ".post_attention_layernorm."),
+    (re.compile(r"^encoder\.final_norm\."), "encoder.final_layernorm."),
+)
+_LAYER_KEY = re.compile(r"^encoder\.layers\.(\d+)\.(.+)$")
+
+
+@dataclass
+class ModelShape:
+    """What a GPT2 config needs, read from a checkpoint's args (or an HF config)."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int
+    padded_vocab_size: int
+    max_position_embeddings: int
+    gelu_approximation: str  # "tanh" | "none"
+    tied_embeddings: bool
+    layernorm_epsilon: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+@dataclass
+class MergedCheckpoint:
+    state: dict  # canonical flat name -> full tensor
+    shape: ModelShape
+    args: Any
+    iteration: Union[int, str]
+    checkpoint_version: float
+    tensor_parallel: int
+    pipeline_parallel: int
+    dtype: torch.dtype
+    recipe: Optional[dict] = None
+    recipe_hash: Optional[str] = None
+    source: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------------------------
+# Files
+# ----------------------------------------------------------------------------------------------
+
+
+def load_shard_file(path: Path) -> dict:
+    """One model_optim_rng.pt, with the training engineer's allow-listed loader when it exists."""
+    try:
+        obj = load_checkpoint_file(path)
+    except UserError:
+        raise
+    except Exception as exc:  # pickle / zip errors: not a checkpoint we can read
+        raise UserError(
+            f"{path} is not a readable Megatron checkpoint ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
+            "point --load at a directory written by Megatron-LM or megatron_core training"
+        ) from None
+    if not isinstance(obj, dict) or "model" not in obj:
+        raise UserError(f"{path} is not a Megatron checkpoint (no 'model' key); point --load at a Megatron save dir")
+    return obj
+
+
+def resolve_iteration_dir(load_dir: Union[str, Path], iteration=None) -> tuple[Path, Union[int, str]]:
+    """`iteration` None/'latest' reads the tracker file; 'release' or an int names the folder."""
+    load_dir = Path(load_dir)
+    if not load_dir.is_dir():
+        raise UserError(f"checkpoint directory {load_dir} does not exist; pass the --save dir of a training run")
+    if iteration is None or iteration == "latest":
+        tracker = load_dir / TRACKER_FILE
+        if not tracker.exists():
+            found = sorted(p.name for p in load_dir.glob("iter_*"))
+            hint = f" (found {', '.join(found)}; pass --iteration N)" if found else ""
+            raise UserError(f"{load_dir} is not a Megatron checkpoint directory: no {TRACKER_FILE}{hint}")
+        text = tracker.read_text().strip()
+        iteration = text if text == "release" else _parse_int(text, tracker)
+    elif iteration != "release":
+        iteration = _parse_int(str(iteration), "--iteration")
+    sub = "release" if iteration == "release" else f"iter_{iteration:07d}"
+    path = load_dir / sub
+    if not path.is_dir():
+        raise UserError(f"{path} does not exist; the checkpoint has no iteration {iteration}")
+    return path, iteration
+
+
+def _parse_int(text: str, where) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise UserError(f"{where}: expected an iteration number or 'release', got {text!r}") from None
+
+
+def find_shard_files(iter_dir: Path) -> dict[tuple[int, int], Path]:
+    shards = {}
+    for child in sorted(iter_dir.iterdir()):
+        match = _SHARD_DIR.match(child.name)
+        if not match:
+            continue
+        file = child / SHARD_FILE
+        if not file.exists():
+            raise UserError(f"shard {child} has no {SHARD_FILE}; the checkpoint is incomplete (re-save or copy it again)")
+        shards[(int(match.group(1)), int(match.group(2) or 0))] = file
+    if not shards:
+        raise UserError(f"{iter_dir} holds no mp_rank_* shard folders; it is not a Megatron checkpoint")
+    return shards
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading and merging
+# ----------------------------------------------------------------------------------------------
+
+
+def _arg(args, name, default=None):
+    return getattr(args, name, default) if args is not None else default
+
+
+def shape_from_args(args) -> ModelShape:
+    missing = [n for n in ("hidden_size", "num_layers", "num_attention_heads") if _arg(args, n) is None]
+    if missing:
+        raise UserError(f"checkpoint args lack {', '.join(missing)}; cannot tell the model's shape")
+    hidden = args.hidden_size
+    approx = "tanh" if (_arg(args, "bias_gelu_fusion", False) or _arg(args, "openai_gelu", False)) else "none"
+    return ModelShape(
+        num_layers=args.num_layers,
+        hidden_size=hidden,
+        num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=_arg(args, "ffn_hidden_size") or 4 * hidden,
+        padded_vocab_size=_arg(args, "padded_vocab_size", 0),
+        max_position_embeddings=_arg(args, "max_position_embeddings") or _arg(args, "seq_length"),
+        gelu_approximation=approx,
+        tied_embeddings=not _arg(args, "untie_embeddings_and_output_weights", False),
+        layernorm_epsilon=_arg(args, "layernorm_epsilon", 1e-5),
+    )
+
+
+def flatten_nested(nested: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in nested.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten_nested(value, name + "."))
+        elif isinstance(value, torch.Tensor):
+            flat[name] = value
+        # non-tensor entries (e.g. `_extra_state` None) carry no weights
+    return flat
+
+
+def canonical_names(model: dict) -> dict:
+    """A shard's `model` dict -> flat canonical names (stage-local layer numbers)."""
+    language_model = model.get("language_model", model)
+    flat = flatten_nested(language_model)
+    if "word_embeddings_for_head" in model:
+        flat.update(flatten_nested({"word_embeddings_for_head": model["word_embeddings_for_head"]}))
+    out = {}
+    for key, tensor in flat.items():
+        if key.endswith("._extra_state") or key.endswith(".inv_freq"):
+            continue
+        for pattern, replacement in _RENAMES:
+            key = pattern.sub(replacement, key)
+        out[key] = tensor
+    unknown = [k for k in out if not (k.startswith(("embedding.", "encoder.")) or k in _VOCAB_PARALLEL)]
+    if unknown:
+        raise UserError(f"checkpoint has weights this converter does not know: {unknown[:5]}; only GPT models convert")
+    return out
+
+
+def to_canonical_qkv(tensor: torch.Tensor, version: float, heads_local: int) -> torch.Tensor:
+    """Reorder one TP shard's QKV rows to the v2/v3 order [np, 3, hn] (compat doc section 3)."""
+    if version >= 2.0:
+        return tensor
+    rest = tensor.shape[1:]
+    hn = tensor.shape[0] // (3 * heads_local)
+    if version == 0:  # [3, np, hn]
+        t = tensor.view(3, heads_local, hn, *rest).transpose(0, 1)
+    else:  # 1.0: [np, hn, 3]
+        t = tensor.view(heads_local, hn, 3, *rest).transpose(1, 2)
+    return t.contiguous().view(tensor.shape)
+
+
+def tp_partition_dim(name: str) -> Optional[int]:
+    if name in _VOCAB_PARALLEL:
+        return 0
+    if name.endswith(_COLUMN_PARALLEL):
+        return 0
+    if name.endswith(_ROW_PARALLEL):
+        return 1
+    return None
+
+
+def _check_same(shards: dict, key: str, where: str) -> Any:
+    values = {pos: ck.get(key) for pos, ck in shards.items()}
+    distinct = {repr(v) for v in values.values()}
+    if len(distinct) > 1:
+        detail = ", ".join(f"mp_rank {pos}: {v!r}" for pos, v in sorted(values.items()))
+        raise UserError(f"shards of {where} disagree on '{key}' ({detail}); they come from different runs or "
+                        "iterations: copy one checkpoint's shards together")
+    return next(iter(values.values()))
+
+
+def read_checkpoint(load_dir, iteration=None) -> MergedCheckpoint:
+    """Read, check and merge every shard of one iteration."""
+    iter_dir, iteration = resolve_iteration_dir(load_dir, iteration)
+    files = find_shard_files(iter_dir)
+    print(f"convert: reading {len(files)} shard(s) from {iter_dir}", flush=True)
+    shards = {pos: load_shard_file(path) for pos, path in files.items()}
+    first = shards[min(shards)]
+    args = first.get("args")
+    tp = _arg(args, "tensor_model_parallel_size", 1 + max(t for t, _ in shards))
+    pp = _arg(args, "pipeline_model_parallel_size", 1 + max(p for _, p in shards))
+    expected = {(t, p) for t in range(tp) for p in range(pp)}
+    missing, extra = sorted(expected - set(shards)), sorted(set(shards) - expected)
+    if missing:
+        raise UserError(f"{iter_dir}: missing shard(s) {missing} (tp, pp) for TP {tp} x PP {pp}; copy the whole "
+                        "iteration folder")
+    if extra:
+        raise UserError(f"{iter_dir}: extra shard(s) {extra} (tp, pp) beyond TP {tp} x PP {pp} of the args; "
+                        "shards of another layout are mixed in: remove them")
+    for key in ("iteration", "recipe_hash", "checkpoint_version"):
+        _check_same(shards, key, iter_dir)
+    args_seen = {pos: (_arg(c.get("args"), "tensor_model_parallel_size"), _arg(c.get("args"), "pipeline_model_parallel_size"),
+                       _arg(c.get("args"), "num_layers"), _arg(c.get("args"), "hidden_size")) for pos, c in shards.items()}
+    if len(set(args_seen.values())) > 1:
+        raise UserError(f"{iter_dir}: shards disagree on the model/parallel args {args_seen}; they come from "
+                        "different runs: copy one checkpoint's shards together")
+    if iteration != "release" and first.get("iteration") not in (None, iteration):
+        raise UserError(f"{iter_dir}: shards say iteration {first.get('iteration')}, folder says {iteration}; "
+                        "the folder was renamed or mixed up")
+    version = float(first.get("checkpoint_version", 0) or 0)
+    shape = shape_from_args(args)
+    if shape.num_attention_heads % tp:
+        raise UserError(f"{shape.num_attention_heads} attention heads do not divide by TP {tp}; the args do not "
+                        "match the shards")
+    stage_states = {pos: canonical_names(ck["model"]) for pos, ck in shards.items()}
+    state = _merge(stage_states, version, shape, tp, pp)
+    if not shape.padded_vocab_size:
+        shape.padded_vocab_size = state["embedding.word_embeddings.weight"].shape[0]
+    shape.tied_embeddings = "output_layer.weight" not in state
+    dtype = state["embedding.word_embeddings.weight"].dtype
+    return MergedCheckpoint(
+        state=state, shape=shape, args=args, iteration=iteration, checkpoint_version=version,
+        tensor_parallel=tp, pipeline_parallel=pp, dtype=dtype, recipe=first.get("recipe"),
+        recipe_hash=first.get("recipe_hash"), source=str(iter_dir),
+    )
+
+
+def _merge(stage_states: dict, version: float, shape: ModelShape, tp: int, pp: int) -> dict:
+    merged: dict[str, torch.Tensor] = {}
+    layer_offset = 0
+    heads_local = shape.num_attention_heads // tp
+    for stage in range(pp):
+        per_rank = [stage_states[(t, stage)] for t in range(tp)]
+        names = list(per_rank[0])
+        for t, names_t in enumerate(per_rank):
+            if set(names_t) != set(names):
+                diff = sorted(set(names) ^ set(names_t))[:4]
+                raise UserError(f"TP rank {t} of stage {stage} holds different weights than rank 0 ({diff}); "
+                                "shards from different models are mixed")
+        local_layers = {int(m.group(1)) for m in map(_LAYER_KEY.match, names) if m}
+        for name in names:
+            parts = [r[name] for r in per_rank]
+            if name.endswith("query_key_value.weight") or name.endswith("query_key_value.bias"):
+                parts = [to_canonical_qkv(p, version, heads_local) for p in parts]
+            dim = tp_partition_dim(name)
+            if dim is None:
+                full = parts[0]
+            else:
+                full = torch.cat(parts, dim=dim) if tp > 1 else parts[0]
+            match = _LAYER_KEY.match(name)
+            if match:
+                name = f"encoder.layers.{int(match.group(1)) + layer_offset}.{match.group(2)}"
+            if name == "word_embeddings_for_head.weight":
+                continue  # a copy of the tied input embedding kept on the last stage
+            merged[name] = full
+        layer_offset += len(local_layers)
+    if layer_offset != shape.num_layers:
+        raise UserError(f"the shards hold {layer_offset} layers but args.num_layers is {shape.num_layers}; "
+                        "a pipeline stage is missing or the args are wrong")
+    return merged
+
+
+# ----------------------------------------------------------------------------------------------
+# Splitting (import back, test fixtures)
+# ----------------------------------------------------------------------------------------------
+
+
+def check_divisible(shape: ModelShape, tp: int, pp: int) -> None:
+    problems = []
+    if tp < 1 or pp < 1:
+        problems.append(f"TP {tp} and PP {pp} must be >= 1")
+    else:
+        for what, n in (("attention heads", shape.num_attention_heads), ("ffn_hidden_size", shape.ffn_hidden_size),
+                        ("padded vocab size", shape.padded_vocab_size)):
+            if n % tp:
+                problems.append(f"{what} {n} is not divisible by TP {tp}")
+        if shape.num_layers % pp:
+            problems.append(f"num_layers {shape.num_layers} is not divisible by PP {pp}")
+    if problems:
+        raise UserError("; ".join(problems) + "; choose a --tp/--pp that divides the model")
+
+
+def split_state(state: dict, shape: ModelShape, tp: int, pp: int) -> dict[tuple[int, int], dict]:
+    """Full canonical state -> {(tp_rank, pp_rank): nested Megatron `model` dict}."""
+    check_divisible(shape, tp, pp)
+    per_stage = shape.num_layers // pp
+    out = {}
+    for stage in range(pp):
+        first, last = stage == 0, stage == pp - 1
+        for rank in range(tp):
+            flat = {}
+            for name, tensor in state.items():
+                dim = tp_partition_dim(name)
+                part = tensor.chunk(tp, dim=dim)[rank].clone() if dim is not None else tensor.clone()
+                match = _LAYER_KEY.match(name)
+                if match:
+                    layer = int(match.group(1))
+                    if stage * per_stage <= layer < (stage + 1) * per_stage:
+                        flat[f"encoder.layers.{layer - stage * per_stage}.{match.group(2)}"] = part
+                elif name.startswith("encoder."):  # final layernorm
+                    if last:
+                        flat[name] = part
+                elif name.startswith("embedding."):
+                    if first:
+                        flat[name] = part
+                    if last and not first and shape.tied_embeddings and name == "embedding.word_embeddings.weight":
+                        flat["word_embeddings_for_head.weight"] = part
+                elif name == "output_layer.weight" and last:
+                    flat[name] = part
+            out[(rank, stage)] = nest_model_state(flat)
+    return out
+
+
+def shard_dir_name(tp_rank: int, pp_rank: int, pp: int) -> str:
+    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def args_for_shape(shape: ModelShape, tp: int, pp: int, **extra) -> argparse.Namespace:
+    """The args fields Megatron tools (and transformers' converter) read from a checkpoint."""
+    return argparse.Namespace(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        padded_vocab_size=shape.padded_vocab_size,
+        max_position_embeddings=shape.max_position_embeddings,
+        seq_length=shape.max_position_embeddings,
+        bias_gelu_fusion=shape.gelu_approximation == "tanh",
+        openai_gelu=False,
+        untie_embeddings_and_output_weights=not shape.tied_embeddings,
+        layernorm_epsilon=shape.layernorm_epsilon,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        tokenizer_type="GPT2BPETokenizer",
+        **extra,
+    )
+
+
+def write_checkpoint(save_dir, models: dict, args, iteration: Union[int, str], extra: Optional[dict] = None) -> Path:
+    """Write {(tp, pp): model dict} as a legacy Megatron checkpoint (model only, no optimizer state);
+    each shard file goes to a temp name first, the tracker file last."""
+    save_dir = Path(save_dir)
+    pp = 1 + max(p for _, p in models)
+    sub = "release" if iteration == "release" else f"iter_{int(iteration):07d}"
+    for (t, p), model in sorted(models.items()):
+        shard_dir = save_dir / sub / shard_dir_name(t, p, pp)
+        shard_dir.mkdir(parents=True, exist_ok=True)
+        payload = {"args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": model, **(extra or {})}
+        tmp = shard_dir / (SHARD_FILE + ".tmp")
+        torch.save(payload, tmp)
+        os.replace(tmp, shard_dir / SHARD_FILE)
+    tracker_tmp = save_dir / (TRACKER_FILE + ".tmp")
+    tracker_tmp.write_text(str(iteration))
+    os.replace(tracker_tmp, save_dir / TRACKER_FILE)
+    return save_dir / sub

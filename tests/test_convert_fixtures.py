@@ -1,0 +1,102 @@
+"""Shared builders for the convert / evaluate tests: a tiny tokenizer, a tiny GPT, its checkpoints.
+
+Checkpoints are written the way training writes them (training.checkpointing.save_checkpoint for
+TP 1 x PP 1, its nest_model_state per shard for other layouts).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_core.config import recipe_from_dict
+from megatron_core.convert.shards import ModelShape, split_state, write_checkpoint
+from megatron_core.training.checkpointing import megatron_args, save_checkpoint
+
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n    def push(self, x):\n        self.items.append(x)\n",
+    "import os\nprint(os.path.join('a', 'b'))\nfor i in range(10):\n    print(i * i)\n",
+] * 20
+
+
+def write_tokenizer(out: Path, vocab_size: int = 300) -> tuple[Path, Path]:
+    from tokenizers import ByteLevelBPETokenizer
+
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator(CORPUS, vocab_size=vocab_size, min_frequency=2, special_tokens=["<|endoftext|>"])
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save_model(str(out))
+    return out / "vocab.json", out / "merges.txt"
+
+
+def tiny_recipe(tp: int = 1, pp: int = 1, untie: bool = False, gelu_tanh: bool = True):
+    return recipe_from_dict({
+        "name": "convert-test", "version": 3,
+        "model": {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32,
+                  "max_position_embeddings": 32, "hidden_dropout": 0.0, "attention_dropout": 0.0,
+                  "untie_embeddings_and_output_weights": untie, "bias_gelu_fusion": gelu_tanh},
+        "parallel": {"world_size": tp * pp, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp},
+        "tokenizer": {"vocab_size": 300},
+    })
+
+
+PADDED_VOCAB = 512  # 300 padded to a multiple of 128 x TP 2 (also valid for TP 1)
+
+
+def random_full_state(recipe, seed: int = 0) -> dict:
+    """A TP 1 GPTModel's state, every tensor perturbed so biases and norms are not trivial."""
+    from megatron_core.config import ParallelConfig
+    from megatron_core.models.gpt import GPTModel
+
+    model = GPTModel(recipe.model, ParallelConfig(), PADDED_VOCAB, pre_process=True, post_process=True,
+                     layer_offset=0, init_seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    return {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in model.state_dict().items()}
+
+
+def shape_of(recipe) -> ModelShape:
+    m = recipe.model
+    return ModelShape(m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_size, PADDED_VOCAB,
+                      m.max_position_embeddings, m.gelu_approximation, not m.untie_embeddings_and_output_weights,
+                      m.layernorm_epsilon)
+
+
+def save_tp1(save: Path, recipe, state: dict, vocab: Path, merges: Path, iteration: int = 10,
+             dtype: torch.dtype = torch.float32) -> Path:
+    args = megatron_args(recipe, PADDED_VOCAB, iteration=iteration, consumed_train_samples=0,
+                         params_dtype=str(dtype).replace("torch.", ""))
+    args.vocab_file, args.merge_file = str(vocab), str(merges)
+    save_checkpoint(save, iteration, model_state={k: v.to(dtype) for k, v in state.items()}, args=args,
+                    recipe=recipe, consumed_train_samples=0)
+    return save
+
+
+def save_layout(save: Path, recipe, state: dict, vocab: Path, merges: Path, tp: int, pp: int,
+                iteration: int = 10) -> Path:
+    args = megatron_args(recipe, PADDED_VOCAB, iteration=iteration, consumed_train_samples=0, params_dtype="float32")
+    args.vocab_file, args.merge_file = str(vocab), str(merges)
+    models = split_state(state, shape_of(recipe), tp, pp)
+    write_checkpoint(save, models, args, iteration, {"recipe": recipe.to_dict(), "recipe_hash": recipe.hash})
+    return save
+
+
+@pytest.fixture(scope="session")
+def tokenizer_files(tmp_path_factory):
+    return write_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def tp1_checkpoint(tmp_path_factory, tokenizer_files):
+    recipe = tiny_recipe()
+    state = random_full_state(recipe)
+    save = save_tp1(tmp_path_factory.mktemp("ckpt") / "tp1", recipe, state, *tokenizer_files)
+    return save, recipe, state
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())
