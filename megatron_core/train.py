@@ -168,10 +168,6 @@ def train(recipe: Recipe, run_dir, data_prefix, tokenizer_files=None, load=None,
     if device.type == "cuda":
         torch.cuda.set_device(device)
     precision, dtype = precision_of(recipe)
-    if precision == "bf16" and device.type == "cpu":
-        raise TrainingConfigError("bf16 training needs a GPU here; set --set bf16=false on a CPU")
-    if precision == "fp16" and device.type == "cpu":
-        raise TrainingConfigError("fp16 training needs a GPU; set --set fp16=false on a CPU")
     seed_everything(t.seed)
 
     padded_vocab = recipe.padded_vocab_size(_vocab_size(tokenizer_files, vocab_size))

@@ -1,0 +1,182 @@
+"""Loss scaler rules, MegatronOptimizer (master weights, skip on inf, clipping, weight-decay groups),
+FLOPs and MFU."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from megatron_core.training import flops
+from megatron_core.training.loss_scaler import ConstantGradScaler, DynamicGradScaler
+from megatron_core.training.optimizer import AdamSettings, MegatronOptimizer, param_groups
+
+
+# -- loss scaler -----------------------------------------------------------------------------------
+
+def test_dynamic_scaler_hysteresis_backoff_growth_and_floor():
+    s = DynamicGradScaler(initial_scale=2.0**32, min_scale=1.0, growth_interval=3, hysteresis=2)
+    s.update(found_inf=True)
+    assert s.scale == 2.0**32  # first overflow only spends hysteresis
+    s.update(found_inf=True)
+    assert s.scale == 2.0**31
+    s.update(found_inf=True)  # tracker stays exhausted: every further overflow halves
+    assert s.scale == 2.0**30
+    for _ in range(2):
+        s.update(found_inf=False)
+    assert s.scale == 2.0**30
+    s.update(found_inf=False)  # third clean step in a row: grow, refill hysteresis
+    assert s.scale == 2.0**31 and s.hysteresis_tracker == 2
+    s.update(found_inf=True)
+    assert s.scale == 2.0**31  # hysteresis absorbs one overflow again
+    tiny = DynamicGradScaler(initial_scale=2.0, min_scale=1.0, hysteresis=1)
+    for _ in range(5):
+        tiny.update(found_inf=True)
+    assert tiny.scale == 1.0
+    restored = DynamicGradScaler()
+    restored.load_state_dict(s.state_dict())
+    assert restored.state_dict() == s.state_dict()
+
+
+def test_megatron_defaults_in_recipe_schema():
+    from megatron_core.config import TrainingConfig
+
+    t = TrainingConfig()
+    assert (t.initial_loss_scale, t.min_loss_scale, t.loss_scale_window, t.hysteresis) == (2.0**32, 1.0, 1000, 2)
+
+
+# -- optimizer -------------------------------------------------------------------------------------
+
+class TwoLayer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.dense = torch.nn.Linear(4, 4)
+        self.layernorm = torch.nn.LayerNorm(4)
+
+    def forward(self, x):
+        return self.layernorm(self.dense(x)).pow(2).mean()
+
+
+def test_no_weight_decay_on_biases_and_norm_weights():
+    model = TwoLayer()
+    groups = param_groups(model.named_parameters(), weight_decay=0.1)
+    decayed = {id(p) for g in groups if g["weight_decay"] > 0 for p in g["params"]}
+    assert decayed == {id(model.dense.weight)}
+
+
+def _opt(model, precision, scaler=None, clip=1.0):
+    return MegatronOptimizer(model, AdamSettings(lr=1e-2, weight_decay=0.0), precision=precision, clip_grad=clip,
+                             grad_scaler=scaler)
+
+
+def test_fp16_master_weights_skip_on_inf_and_recover():
+    torch.manual_seed(0)
+    model = TwoLayer().half()
+    opt = _opt(model, "fp16", DynamicGradScaler(initial_scale=1024.0, hysteresis=1, growth_interval=1000))
+    assert all(m.dtype == torch.float32 for m in opt.master_params)
+    x = torch.randn(8, 4).half()
+    losses = []
+    for step in range(12):
+        opt.zero_grad()
+        loss = model(x)
+        losses.append(float(loss.detach()))
+        opt.scale_loss(loss.float()).backward()
+        if step == 5:
+            model.dense.weight.grad[0, 0] = float("inf")
+            before = [p.detach().clone() for p in model.parameters()]
+        ok, norm, _ = opt.step()
+        if step == 5:
+            assert not ok and norm is None
+            assert opt.loss_scale == 512.0
+            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        else:
+            assert ok and math.isfinite(norm)
+    assert losses[-1] < losses[6] < losses[0]
+    for p, m in zip(model.parameters(), opt.master_params):
+        assert torch.equal(p, m.half())
+
+
+def test_grad_clipping_by_global_norm():
+    model = TwoLayer()
+    opt = _opt(model, "fp32", clip=0.5)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 3.0)
+    expected = math.sqrt(sum(9.0 * p.numel() for p in model.parameters()))
+    ok, norm, zeros = opt.step(count_zeros=True)
+    assert ok and norm == pytest.approx(expected)
+    assert zeros == 0
+    clipped = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in model.parameters()))
+    assert clipped == pytest.approx(0.5, rel=1e-4)
+
+
+def test_tp_replicated_and_shared_params_counted_once(monkeypatch):
+    """On TP rank 1 only tensor-parallel shards count; a `shared` copy never counts."""
+    from megatron_core import parallel_state
+
+    model = TwoLayer()
+    model.dense.weight.tensor_model_parallel = True
+    opt = _opt(model, "fp32", clip=0.0)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 1)
+    _, norm, _ = opt.step()
+    assert norm == pytest.approx(math.sqrt(model.dense.weight.numel()))
+    model.dense.weight.shared = True
+    opt2 = _opt(model, "fp32", clip=0.0)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 0)
+    _, norm, _ = opt2.step()
+    assert norm == pytest.approx(math.sqrt(4 + 4 + 4))  # dense.bias + layernorm weight and bias
+
+
+def test_state_dict_round_trip_gives_identical_next_step():
+    torch.manual_seed(0)
+    a = TwoLayer().half()
+    b = TwoLayer().half()
+    b.load_state_dict(a.state_dict())
+    opt_a = _opt(a, "fp16", DynamicGradScaler(initial_scale=256.0))
+    x = torch.randn(8, 4).half()
+    for _ in range(3):
+        opt_a.zero_grad()
+        opt_a.scale_loss(a(x).float()).backward()
+        opt_a.step()
+    opt_b = _opt(b, "fp16", DynamicGradScaler(initial_scale=1.0))
+    b.load_state_dict(a.state_dict())
+    opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))  # as through a file: no shared tensors
+    for model, opt in ((a, opt_a), (b, opt_b)):
+        opt.zero_grad()
+        opt.scale_loss(model(x).float()).backward()
+        opt.step()
+    assert opt_b.loss_scale == opt_a.loss_scale
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_cpu_optimizer_choice_is_foreach_adamw():
+    opt = _opt(TwoLayer(), "fp32")
+    assert isinstance(opt.optimizer, torch.optim.AdamW) and opt.optimizer.defaults["foreach"]
+    assert "foreach=True" in opt.description
+
+
+# -- FLOPs and MFU ---------------------------------------------------------------------------------
+
+def test_flops_formula_matches_megatron_for_4h():
+    B, s, L, h, V = 192, 1024, 12, 768, 32768
+    megatron = 72 * B * s * L * h**2 * (1 + s / (6 * h) + V / (12 * L * h))
+    ours = flops.model_flops_per_iteration(global_batch_size=B, seq_length=s, num_layers=L, hidden_size=h,
+                                           ffn_hidden_size=4 * h, padded_vocab_size=V)
+    assert ours == pytest.approx(megatron, rel=1e-12)
+    recompute = flops.model_flops_per_iteration(global_batch_size=B, seq_length=s, num_layers=L, hidden_size=h,
+                                                ffn_hidden_size=4 * h, padded_vocab_size=V, full_recompute=True)
+    assert recompute == pytest.approx(ours * 4 / 3)
+
+
+def test_peak_table_and_mfu():
+    assert flops.device_peak_tflops("NVIDIA A100-SXM4-80GB", "bf16") == 312.0
+    assert flops.device_peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989.0
+    assert flops.device_peak_tflops("NVIDIA H100 PCIe", "fp16") == 756.0
+    assert flops.device_peak_tflops("NVIDIA H200", "bf16") == 989.0
+    assert flops.device_peak_tflops("cpu (x86_64)", "fp32") is None
+    assert flops.mfu(100.0, None) is None
+    assert flops.mfu(156.0, 312.0) == pytest.approx(0.5)
+    assert flops.tflops_per_device(8e12, 0.5, 2) == pytest.approx(8.0)
