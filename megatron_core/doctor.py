@@ -95,7 +95,7 @@ def _triton_section(cuda_available: bool) -> dict:
     return {"version": version, "interpreter": interpreter, "runs_on": runs_on}
 
 
-def _consequences(r: dict) -> list[str]:
+def consequences(r: dict) -> list[str]:
     """One line per missing piece: what it is and what it disables."""
     lines = []
     if not r["cuda"]["available"]:
@@ -136,7 +136,7 @@ def report() -> dict:
     for key in ("transformers", "megatron-core", "docker", "megatron-recipes"):
         r[key] = {"version": _distribution_version(_DISTRIBUTIONS[key])}
     r["pip_constraint"] = os.environ.get("PIP_CONSTRAINT") or None
-    r["consequences"] = _consequences(r)
+    r["consequences"] = consequences(r)
     return r
 
 
