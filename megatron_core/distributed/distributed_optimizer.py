@@ -1,0 +1,250 @@
+"""The distributed optimizer (ZeRO-1): fp32 master weights and Adam state sharded over DP ranks.
+
+The model is wrapped in `DistributedDataParallel(..., reduce_kind="reduce_scatter")`: each grad
+bucket is padded to a multiple of the DP size and DP rank r owns the r-th slice of every bucket.
+The slice cuts parameters into pieces; each piece gets an fp32 master copy (a leaf tensor) that
+the inner AdamW (the same `build_adam` / decay groups as MegatronOptimizer) updates, so Adam
+state exists only for the owned 1/DP of the model. A step: the reduce-scattered grad slice
+becomes the pieces' grads -> unscale, inf check and global-norm clip (norm summed over DP and
+the model-parallel group) -> Adam on the pieces -> each bucket's updated slice is all-gathered
+over DP into the model parameters.
+
+Interface: the MegatronOptimizer one (scale_loss, loss_scale, zero_grad, step() -> (ok,
+grad_norm, num_zeros), param_groups, state_dict/load_state_dict), plus for checkpoints:
+
+    sharded_state_dict() -> dict on DP rank 0, None elsewhere   (COLLECTIVE over DP: every rank calls)
+        {"param_state": {name: {"fp32_param", "exp_avg", "exp_avg_sq"}}, "step": int}; tensors
+        are whole parameters (gathered from every DP rank), so the file does not depend on the
+        DP size. checkpointing writes it as distrib_optim.pt beside model_optim_rng.pt.
+    load_sharded_state_dict(state)   every rank passes the whole loaded dict and keeps its slice.
+    state_dict() / load_state_dict(): not collective; param-group hyperparameters, step and the
+        loss scaler (what goes under "optimizer" in model_optim_rng.pt).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_core import parallel_state as ps
+from megatron_core.distributed.grad_sync import Bucket, all_gather_into
+from megatron_core.training.loss_scaler import ConstantGradScaler, DynamicGradScaler
+from megatron_core.training.optimizer import AdamSettings, build_adam, no_weight_decay
+
+ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class _Piece:
+    """The part of one parameter that falls in this rank's slice of one bucket."""
+
+    name: str
+    param: torch.nn.Parameter
+    bucket: Bucket
+    param_start: int  # first element in the flattened parameter
+    shard_start: int  # first element in this rank's bucket slice
+    numel: int
+    master: torch.Tensor  # fp32 leaf, what Adam updates
+
+
+def _counts_for_norm(param: torch.Tensor) -> bool:
+    """Count every weight once per model replica: TP-replicated ones on TP rank 0, the last stage's
+    copy of the tied embedding not at all (the first stage counts it)."""
+    if getattr(param, "shared", False) or (getattr(param, "shared_embedding", False)
+                                           and not ps.is_pipeline_first_stage()):
+        return False
+    return getattr(param, "tensor_model_parallel", False) or ps.get_tensor_model_parallel_rank() == 0
+
+
+def _all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=op, group=group)
+
+
+class DistributedOptimizer:
+    def __init__(self, model, settings: AdamSettings, *, precision: str = "fp32", clip_grad: float = 1.0,
+                 grad_scaler=None, device: Optional[torch.device] = None, fused_adam_cls=None) -> None:
+        grad_sync = getattr(model, "grad_sync", None)
+        if grad_sync is None or grad_sync.reduce_kind != "reduce_scatter":
+            raise TypeError("DistributedOptimizer needs the model wrapped in "
+                            "DistributedDataParallel(module, parallel, reduce_kind='reduce_scatter')")
+        if precision not in ("fp32", "bf16", "fp16"):
+            raise ValueError(f"precision {precision!r} is not fp32, bf16 or fp16")
+        self.grad_sync, self.precision, self.clip_grad = grad_sync, precision, float(clip_grad)
+        self.grad_scaler = grad_scaler or (DynamicGradScaler() if precision == "fp16" else ConstantGradScaler())
+        self.dp_group, self.dp_rank, self.dp_size = grad_sync.group, grad_sync.dp_rank, grad_sync.dp_size
+        names = {id(p): n for n, p in model.module.named_parameters()}
+        self.model_params = grad_sync.params
+        self._numel_by_name = {names[id(p)]: p.numel() for p in self.model_params}
+        self.pieces: list[_Piece] = []
+        for bucket in grad_sync.buckets:
+            lo, hi = bucket.shard_range(self.dp_rank, self.dp_size)
+            for param, offset in zip(bucket.params, bucket.offsets):
+                start, end = max(offset, lo), min(offset + param.numel(), hi)
+                if start >= end:
+                    continue
+                master = param.detach().reshape(-1)[start - offset:end - offset].clone().float()
+                master.requires_grad_(True)
+                self.pieces.append(_Piece(names[id(param)], param, bucket, start - offset, start - lo,
+                                          end - start, master))
+        decay, no_decay = [], []
+        for piece in self.pieces:
+            (no_decay if no_weight_decay(piece.name, piece.param) else decay).append(piece.master)
+        groups = [g for g in ({"params": decay, "weight_decay": settings.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+        if not groups:  # more DP ranks than elements: this rank owns only padding
+            groups = [{"params": [torch.zeros(0, requires_grad=True)], "weight_decay": 0.0}]
+        device = device or (self.model_params[0].device if self.model_params else torch.device("cpu"))
+        self.optimizer, inner = build_adam(groups, settings, device, fused_adam_cls)
+        self.description = f"distributed optimizer (ZeRO-1 over DP {self.dp_size}) around {inner}"
+        self._gather_buffers = {id(b): torch.empty(b.padded_numel, dtype=b.params[0].dtype, device=device)
+                                for b in grad_sync.buckets}
+
+    # -- the loop's interface ------------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def loss_scale(self) -> float:
+        return self.grad_scaler.scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.loss_scale
+
+    def zero_grad(self) -> None:
+        for param in self.model_params:
+            param.grad = None
+        for piece in self.pieces:
+            piece.master.grad = None
+
+    def step(self, count_zeros: bool = False) -> tuple[bool, Optional[float], Optional[int]]:
+        self.grad_sync.finish()  # no-op when the schedule already finished this iteration's sync
+        grads = []
+        for piece in self.pieces:
+            if piece.bucket.grad_shard is None:
+                raise RuntimeError("step() before any backward: no reduce-scattered gradients exist")
+            piece.master.grad = piece.bucket.grad_shard[piece.shard_start:piece.shard_start + piece.numel]
+            grads.append(piece.master.grad)
+        if self.loss_scale != 1.0 and grads:
+            torch._foreach_mul_(grads, 1.0 / self.loss_scale)
+        if self.precision == "fp16":
+            found_inf = self._found_inf(grads)
+            self.grad_scaler.update(found_inf)
+            if found_inf:
+                return False, None, None
+        grad_norm = self._grad_norm()
+        if self.clip_grad > 0 and math.isfinite(grad_norm):
+            coeff = self.clip_grad / (grad_norm + 1.0e-6)
+            if coeff < 1.0 and grads:
+                torch._foreach_mul_(grads, coeff)
+        num_zeros = None
+        if count_zeros:
+            zeros = torch.tensor(float(sum(int((g == 0).sum()) for g in grads)))
+            _all_reduce(zeros, self.dp_group)
+            num_zeros = int(zeros.item())
+        self.optimizer.step()
+        self._all_gather_params()
+        return True, grad_norm, num_zeros
+
+    def _found_inf(self, grads: list[torch.Tensor]) -> bool:
+        found = torch.zeros((), dtype=torch.float32, device=self._device())
+        for grad in grads:
+            found = torch.maximum(found, (~torch.isfinite(grad)).any().float())
+        _all_reduce(found, None if not dist.is_initialized() else dist.group.WORLD, dist.ReduceOp.MAX)
+        return bool(found.item() > 0)
+
+    def _grad_norm(self) -> float:
+        total = torch.zeros((), dtype=torch.float32, device=self._device())
+        for piece in self.pieces:
+            if _counts_for_norm(piece.param):
+                total += piece.master.grad.float().pow(2).sum()
+        _all_reduce(total, self.dp_group)
+        _all_reduce(total, ps.get_model_parallel_group())
+        return float(total.sqrt())
+
+    def _device(self) -> torch.device:
+        return self.model_params[0].device if self.model_params else torch.device("cpu")
+
+    @torch.no_grad()
+    def _all_gather_params(self) -> None:
+        """Every DP rank's updated slice of each bucket -> the full model parameters everywhere."""
+        for bucket in self.grad_sync.buckets:
+            lo, hi = bucket.shard_range(self.dp_rank, self.dp_size)
+            full = self._gather_buffers[id(bucket)]
+            shard = full[lo:hi]
+            for piece in self.pieces:
+                if piece.bucket is bucket:
+                    shard[piece.shard_start:piece.shard_start + piece.numel].copy_(piece.master)
+            if self.dp_size > 1:
+                all_gather_into(full, shard.clone(), self.dp_group)
+            for param, offset in zip(bucket.params, bucket.offsets):
+                param.data.view(-1).copy_(full[offset:offset + param.numel()])
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Not collective: what lives in model_optim_rng.pt (the shards go to distrib_optim.pt)."""
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        return {"distributed_optimizer": True, "param_groups": groups, "step": self._step_count(),
+                "grad_scaler": self.grad_scaler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not state.get("distributed_optimizer"):
+            raise ValueError("this optimizer state was not written by the distributed optimizer")
+        for group, saved in zip(self.optimizer.param_groups, state["param_groups"]):
+            group.update(saved)
+        self.grad_scaler.load_state_dict(state["grad_scaler"])
+
+    def _step_count(self) -> int:
+        for value in self.optimizer.state.values():
+            if "step" in value:
+                return int(value["step"])
+        return 0
+
+    def _local_piece_state(self, piece: _Piece) -> dict[str, torch.Tensor]:
+        state = self.optimizer.state.get(piece.master, {})
+        out = {"fp32_param": piece.master.detach()}
+        for key in ADAM_STATE_KEYS:
+            out[key] = state[key].detach() if key in state else torch.zeros_like(piece.master)
+        return out
+
+    def sharded_state_dict(self) -> Optional[dict]:
+        """COLLECTIVE over DP. Whole-parameter fp32 weights and Adam moments on DP rank 0, None elsewhere."""
+        local = [(p.name, p.param_start, self._local_piece_state(p)) for p in self.pieces]
+        if self.dp_size > 1:
+            gathered = [None] * self.dp_size
+            dist.all_gather_object(gathered, [(n, s, {k: t.cpu() for k, t in d.items()}) for n, s, d in local],
+                                   group=self.dp_group)
+        else:
+            gathered = [local]
+        if self.dp_rank != 0:
+            return None
+        full: dict[str, dict[str, torch.Tensor]] = {}
+        for rank_pieces in gathered:
+            for name, start, tensors in rank_pieces:
+                entry = full.setdefault(name, {})
+                for key, tensor in tensors.items():
+                    if key not in entry:
+                        entry[key] = torch.zeros(self._numel_by_name[name], dtype=torch.float32)
+                    entry[key][start:start + tensor.numel()] = tensor.cpu()
+        return {"param_state": full, "step": self._step_count()}
+
+    @torch.no_grad()
+    def load_sharded_state_dict(self, state: dict) -> None:
+        """Take this rank's slice of every parameter's saved master weight and Adam moments."""
+        saved, step = state["param_state"], int(state["step"])
+        for piece in self.pieces:
+            if piece.name not in saved:
+                raise KeyError(f"distrib_optim state has no entry for parameter {piece.name}")
+            entry = saved[piece.name]
+            sl = slice(piece.param_start, piece.param_start + piece.numel)
+            piece.master.copy_(entry["fp32_param"][sl])
+            inner = self.optimizer.state[piece.master]
+            for key in ADAM_STATE_KEYS:
+                inner[key] = entry[key][sl].to(piece.master.device, torch.float32).clone()
+            inner["step"] = torch.tensor(float(step))
+        self._all_gather_params()

@@ -1,0 +1,308 @@
+"""The parallel proof: every TP x PP x DP layout trains the tiny GPT exactly like one process.
+
+Each layout runs ITERATIONS iterations of the real training loop (megatron_core.training.trainer.
+Trainer) on the real pieces: GPTModel, the pipeline schedule, DP grad sync, MegatronOptimizer or
+the DistributedOptimizer, the LR scheduler. Model and optimizer are built here as
+megatron_core.train builds them (handed in to the Trainer, which allows it), except that the
+initialization seed is the recipe's seed on every stage (layout-independent init). Every rank
+returns its parameter shards under their global names; `merge_params` glues them back.
+
+Data: a synthetic dataset whose sample i is drawn from its own seeded generator; the trainer's
+batch iterator splits each global batch over DP ranks as Megatron's sampler does.
+The harness functions are imported by the other parallel test modules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_core import parallel_state as ps
+from megatron_core.config import Recipe, recipe_from_dict
+from megatron_core.distributed import DistributedDataParallel
+from megatron_core.models.gpt import GPTModel
+from megatron_core.training.logging import RunLogger, read_metrics
+from megatron_core.training.optimizer import AdamSettings, MegatronOptimizer
+
+SEQ = 16
+VOCAB = 100  # padded to 128 under TP 1 and TP 2 (make_vocab_size_divisible_by 64)
+GLOBAL_BATCH = 8
+ITERATIONS = 10
+SEED = 1234
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    micro_batch_size: int = 2
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False
+    recompute: Optional[str] = None
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def num_microbatches(self) -> int:
+        return GLOBAL_BATCH // (self.micro_batch_size * self.dp)
+
+
+BASELINE = Layout("single process")
+
+
+def make_recipe(layout: Layout, **training) -> Recipe:
+    raw = {
+        "name": "parallel-proof", "version": 1,
+        "tokenizer": {"vocab_size": VOCAB},
+        "model": dict(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=SEQ,
+                      max_position_embeddings=SEQ, hidden_dropout=0.0, attention_dropout=0.0,
+                      make_vocab_size_divisible_by=64, attention_backend="unfused"),
+        "parallel": dict(world_size=layout.world_size, tensor_model_parallel_size=layout.tp,
+                         pipeline_model_parallel_size=layout.pp, sequence_parallel=layout.sequence_parallel,
+                         use_distributed_optimizer=layout.distributed_optimizer,
+                         recompute_granularity=layout.recompute, ddp_bucket_size=4000),
+        "training": {**dict(micro_batch_size=layout.micro_batch_size, global_batch_size=GLOBAL_BATCH,
+                            train_iters=ITERATIONS, lr=2e-3, min_lr=2e-4, lr_decay_style="cosine", lr_warmup_iters=2,
+                            lr_decay_iters=ITERATIONS, weight_decay=0.01, clip_grad=1.0, seed=SEED, log_interval=1,
+                            eval_interval=1000, eval_iters=0, fusions="torch", device="cpu"), **training},
+    }
+    return recipe_from_dict(raw)
+
+
+class SyntheticTokens(torch.utils.data.Dataset):
+    """GPT dataset items (tokens, labels, loss_mask, position_ids); sample i from generator seed i."""
+
+    def __len__(self) -> int:
+        return 4 * ITERATIONS * GLOBAL_BATCH
+
+    def __getitem__(self, index: int) -> dict:
+        generator = torch.Generator().manual_seed(10_000 + index)
+        text = torch.randint(0, VOCAB, (SEQ + 1,), generator=generator)
+        return {"tokens": text[:-1].contiguous(), "labels": text[1:].contiguous(),
+                "loss_mask": torch.ones(SEQ), "position_ids": torch.arange(SEQ)}
+
+
+def build(recipe: Recipe):
+    """(model as the loop sees it, the GPTModel, optimizer) for this rank, as megatron_core.train builds them."""
+    from megatron_core.train import seed_everything
+
+    p, t = recipe.parallel, recipe.training
+    if dist.is_initialized():
+        ps.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
+    seed_everything(t.seed)
+    module = GPTModel(recipe.model, p, recipe.padded_vocab_size(VOCAB), init_seed=t.seed)
+    head_copy = getattr(module, "word_embeddings_for_head", None)
+    if head_copy is not None:
+        head_copy.weight.shared = True  # as train.build_model: counted once in the grad norm
+    settings = AdamSettings(t.lr, t.weight_decay, t.adam_beta1, t.adam_beta2, t.adam_eps)
+    if p.use_distributed_optimizer:
+        from megatron_core.distributed.distributed_optimizer import DistributedOptimizer
+
+        model = DistributedDataParallel(module, p, reduce_kind="reduce_scatter")
+        optimizer = DistributedOptimizer(model, settings, clip_grad=t.clip_grad)
+    else:
+        model = DistributedDataParallel(module, p) if ps.get_data_parallel_world_size() > 1 else module
+        optimizer = MegatronOptimizer(module, settings, clip_grad=t.clip_grad)
+    return model, module, optimizer
+
+
+def fit(recipe: Recipe, run_dir: Path, save: Optional[Path] = None, load: Optional[Path] = None):
+    """Train with the real loop; returns (GPTModel, optimizer, losses by iteration on the writer rank)."""
+    from megatron_core.training.trainer import Trainer, _is_log_writer
+
+    model, module, optimizer = build(recipe)
+    logger = RunLogger(run_dir, writer=_is_log_writer(), tensorboard=False)
+    trainer = Trainer(recipe, model, (SyntheticTokens(), None, None), recipe.padded_vocab_size(VOCAB), run_dir,
+                      optimizer=optimizer, device=torch.device("cpu"), save=save, load=load, logger=logger)
+    trainer.fit()
+    losses = {m["iteration"]: m["lm_loss"] for m in read_metrics(run_dir) if m["type"] == "train"}
+    return module, optimizer, (losses if logger.writer else None)
+
+
+def rank_params(module: GPTModel) -> dict:
+    """This rank's parameters by global name: (tensor, partition_dim or None, tp_rank)."""
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    out = {}
+    for name, param in module.named_parameters():
+        dim = param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
+        out.setdefault(module.global_parameter_name(name), []).append((param.detach().clone(), dim, tp_rank))
+    return out
+
+
+def rank_summary(layout: Layout, module, losses) -> dict:
+    return {"layout": layout.name, "losses": losses, "params": rank_params(module),
+            "tp_rank": ps.get_tensor_model_parallel_rank(), "pp_rank": ps.get_pipeline_model_parallel_rank(),
+            "dp_rank": ps.get_data_parallel_rank()}
+
+
+def train_layout(layout: Layout, run_root: str) -> dict:
+    """Train ITERATIONS iterations of `layout` on this rank; tear the groups down afterwards."""
+    try:
+        run_dir = Path(run_root) / layout.name.replace(" ", "_")
+        module, _, losses = fit(make_recipe(layout), run_dir)
+        return rank_summary(layout, module, losses)
+    finally:
+        ps.destroy_model_parallel()
+
+
+def train_layouts(layouts: list[Layout], run_root: str) -> list[dict]:
+    """Every layout of one spawn, one after the other (each builds and destroys its groups)."""
+    torch.set_num_threads(1)
+    return [train_layout(layout, run_root) for layout in layouts]
+
+
+def merge_params(rank_results: list[dict]) -> dict[str, list[torch.Tensor]]:
+    """Full tensors by global name from DP rank 0 of every (TP, PP) rank. A name can have two
+    copies (the tied embedding on the first and last stage): each is merged and kept."""
+    shards: dict[tuple[str, int], dict[int, tuple[torch.Tensor, Optional[int]]]] = {}
+    for result in rank_results:
+        if result["dp_rank"] != 0:
+            continue
+        for name, copies in result["params"].items():
+            for tensor, dim, tp_rank in copies:
+                shards.setdefault((name, result["pp_rank"]), {})[tp_rank] = (tensor, dim)
+    merged: dict[str, list[torch.Tensor]] = {}
+    for (name, _), by_tp in sorted(shards.items()):
+        pieces = [by_tp[r] for r in sorted(by_tp)]
+        dim = pieces[0][1]
+        tensor = torch.cat([t for t, _ in pieces], dim=dim) if dim is not None else pieces[0][0]
+        merged.setdefault(name, []).append(tensor)
+    return merged
+
+
+def layout_losses(rank_results: list[dict]) -> list[float]:
+    """Loss per iteration from the rank that logs it (last stage, TP 0, DP 0)."""
+    writers = [r["losses"] for r in rank_results if r["losses"] is not None]
+    assert len(writers) == 1, f"expected one log-writing rank, got {len(writers)}"
+    return [writers[0][it] for it in sorted(writers[0])]
+
+
+def assert_matches_baseline(rank_results: list[dict], baseline: dict, *, rtol: float = 1e-5, atol: float = 1e-5):
+    """Loss of every iteration within rtol (relative) and every parameter within atol."""
+    name = rank_results[0]["layout"]
+    losses, expected = layout_losses(rank_results), layout_losses([baseline])
+    assert len(losses) == len(expected)
+    for it, (got, want) in enumerate(zip(losses, expected)):
+        assert abs(got - want) <= rtol * abs(want), f"{name}: iteration {it} loss {got!r} vs single process {want!r}"
+    merged, reference = merge_params(rank_results), merge_params([baseline])
+    assert set(merged) == set(reference), f"{name}: parameter names differ: {set(merged) ^ set(reference)}"
+    for pname, copies in merged.items():
+        want = reference[pname][0]
+        for got in copies:
+            assert got.shape == want.shape, f"{name}: {pname} shape {tuple(got.shape)} vs {tuple(want.shape)}"
+            diff = (got - want).abs().max().item()
+            assert diff <= atol, f"{name}: {pname} differs by {diff:.3g} after {ITERATIONS} steps"
+
+
+def single_process_baseline(run_root: str) -> dict:
+    assert not dist.is_initialized()
+    return train_layout(BASELINE, run_root)
+
+
+def train_interrupted(layout: Layout, run_root: str, stop_at: int) -> dict:
+    """Train to `stop_at` and checkpoint, then resume in a fresh model and run to ITERATIONS."""
+    root = Path(run_root) / (layout.name.replace(" ", "_") + "-resume")
+    save = root / "checkpoints"
+    try:
+        fit(make_recipe(layout, train_iters=stop_at), root / "first", save=save)
+    finally:
+        ps.destroy_model_parallel()
+    try:
+        module, _, losses = fit(make_recipe(layout), root / "second", save=save, load=save)
+        return rank_summary(layout, module, losses)
+    finally:
+        ps.destroy_model_parallel()
+
+
+def two_and_four_rank_work(layouts: list[Layout], resume: Optional[Layout], run_root: str) -> dict:
+    torch.set_num_threads(1)
+    results = {"layouts": [train_layout(layout, run_root) for layout in layouts]}
+    if resume is not None:
+        results["resume"] = train_interrupted(resume, run_root, stop_at=ITERATIONS // 2)
+    return results
+
+
+# ----------------------------------------------------------------------------------------------
+# The tests: one spawn of 2 ranks and one of 4 ranks run every layout; each layout is one test.
+# ----------------------------------------------------------------------------------------------
+
+TWO_RANK_LAYOUTS = [
+    Layout("TP2", tp=2),
+    Layout("TP2 SP", tp=2, sequence_parallel=True),
+    Layout("PP2", pp=2),
+    Layout("PP2 4 micro batches", pp=2, micro_batch_size=2),  # M = 4
+    Layout("PP2 1 micro batch", pp=2, micro_batch_size=8),  # M = 1: no steady state on stage 0
+    Layout("PP2 full recompute", pp=2, recompute="full"),
+    Layout("DP2", dp=2),
+    Layout("DP2 distributed optimizer", dp=2, distributed_optimizer=True),
+]
+TP2_PP2 = Layout("TP2xPP2", tp=2, pp=2)
+FOUR_RANK_LAYOUTS = [
+    TP2_PP2,
+    Layout("DP2xTP2", tp=2, dp=2),
+    Layout("PP4", pp=4, micro_batch_size=2),  # M = 4
+    Layout("PP4 2 micro batches", pp=4, micro_batch_size=4),  # M < pp - 1
+    Layout("DP2xPP2 distributed optimizer", pp=2, dp=2, distributed_optimizer=True),
+]
+assert all(layout.num_microbatches >= 1 for layout in TWO_RANK_LAYOUTS + FOUR_RANK_LAYOUTS)
+
+
+@pytest.fixture(scope="module")
+def run_root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("parallel-proof"))
+
+
+@pytest.fixture(scope="module")
+def baseline(run_root) -> dict:
+    torch.set_num_threads(1)
+    return single_process_baseline(run_root)
+
+
+@pytest.fixture(scope="module")
+def two_rank(run_root) -> dict:
+    from distributed_utils import run_distributed
+
+    return run_distributed(two_and_four_rank_work, 2, TWO_RANK_LAYOUTS, None, run_root, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def four_rank(run_root) -> dict:
+    from distributed_utils import run_distributed
+
+    return run_distributed(two_and_four_rank_work, 4, FOUR_RANK_LAYOUTS, TP2_PP2, run_root, timeout=300)
+
+
+def test_baseline_learns(baseline):
+    losses = layout_losses([baseline])
+    assert len(losses) == ITERATIONS and losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("index", range(len(TWO_RANK_LAYOUTS)), ids=[layout.name for layout in TWO_RANK_LAYOUTS])
+def test_two_rank_layout_matches_single_process(two_rank, baseline, index):
+    assert_matches_baseline([rank["layouts"][index] for rank in two_rank], baseline)
+
+
+@pytest.mark.parametrize("index", range(len(FOUR_RANK_LAYOUTS)), ids=[layout.name for layout in FOUR_RANK_LAYOUTS])
+def test_four_rank_layout_matches_single_process(four_rank, baseline, index):
+    assert_matches_baseline([rank["layouts"][index] for rank in four_rank], baseline)
+
+
+def test_tp2_pp2_checkpoint_resume_is_exact(four_rank):
+    uninterrupted = layout_losses([rank["layouts"][0] for rank in four_rank])
+    resumed_ranks = [rank["resume"] for rank in four_rank]
+    resumed = [r["losses"] for r in resumed_ranks if r["losses"] is not None][0]
+    assert sorted(resumed) == list(range(ITERATIONS // 2 + 1, ITERATIONS + 1)), resumed
+    assert [resumed[it] for it in sorted(resumed)] == uninterrupted[ITERATIONS // 2:]  # bit for bit
+    continued, straight = merge_params(resumed_ranks), merge_params([rank["layouts"][0] for rank in four_rank])
+    for name, copies in straight.items():
+        for got, want in zip(continued[name], copies):
+            assert torch.equal(got, want), f"{name} differs after resume"
