@@ -1,0 +1,136 @@
+"""The training loop end to end on a tiny GPT (CPU, fp32): loss goes down, runs are deterministic,
+gradient accumulation matches one big batch, outputs are written, bad values are refused."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megatron_core.errors import UserError
+from megatron_core.train import main as train_main
+from megatron_core.train import train
+from megatron_core.training.logging import read_metrics
+from training_fixtures import VOCAB_SIZE, tiny_recipe, train_losses, write_corpus
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("data") / "corpus")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Losses are compared bit for bit: every run of this module uses the same thread count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory, corpus, one_thread):
+    run_dir = tmp_path_factory.mktemp("run-a")
+    summary = train(tiny_recipe("train_iters=24", "save_interval=null"), run_dir, corpus, vocab_size=VOCAB_SIZE)
+    return run_dir, summary
+
+
+def test_loss_decreases_and_outputs_are_written(first_run, capsys):
+    run_dir, summary = first_run
+    metrics = read_metrics(run_dir)
+    losses = train_losses(metrics)
+    assert sorted(losses) == list(range(1, 25))
+    assert losses[24] < losses[1] - 0.5, losses
+    assert math.log(VOCAB_SIZE) - 0.3 < losses[1] < math.log(128) + 0.3  # starts near uniform
+    record = next(m for m in metrics if m["type"] == "train")
+    assert set(record) >= {"type", "iteration", "consumed_samples", "lm_loss", "lr", "grad_norm", "loss_scale",
+                           "elapsed_ms", "tokens_per_s", "tflops", "skipped", "nan"}
+    assert "mfu" not in record  # CPU: no peak known, none invented
+    assert record["consumed_samples"] == 4 and record["loss_scale"] == 1.0
+    valid = [m for m in metrics if m["type"] == "valid"]
+    assert [v["iteration"] for v in valid] == [8, 16, 24]
+    assert valid[-1]["ppl"] == pytest.approx(math.exp(valid[-1]["lm_loss"]))
+    assert [m["type"] for m in metrics].count("test") == 1
+    assert summary["valid"]["lm_loss"] == valid[-1]["lm_loss"]
+    assert (run_dir / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "24"
+
+
+def test_same_seed_same_losses(first_run, corpus, tmp_path):
+    run_dir, _ = first_run
+    train(tiny_recipe("train_iters=24", "save_interval=null"), tmp_path, corpus, vocab_size=VOCAB_SIZE)
+    assert train_losses(read_metrics(tmp_path)) == train_losses(read_metrics(run_dir))
+    assert train_losses(read_metrics(tmp_path), "valid") == train_losses(read_metrics(run_dir), "valid")
+
+
+def test_gradient_accumulation_matches_one_batch(corpus, tmp_path):
+    """global 4 as 2 micro batches of 2 == 1 micro batch of 4 (dropout off)."""
+    common = ("train_iters=4", "hidden_dropout=0.0", "attention_dropout=0.0", "save_interval=null", "eval_iters=0")
+    train(tiny_recipe(*common, "micro_batch_size=2"), tmp_path / "acc", corpus, vocab_size=VOCAB_SIZE)
+    train(tiny_recipe(*common, "micro_batch_size=4"), tmp_path / "one", corpus, vocab_size=VOCAB_SIZE)
+    acc, one = (train_losses(read_metrics(tmp_path / d)) for d in ("acc", "one"))
+    for it in range(1, 5):
+        assert acc[it] == pytest.approx(one[it], rel=1e-5)
+
+
+def test_fp16_loop_skips_injected_inf_and_recovers(corpus, tmp_path, monkeypatch):
+    import megatron_core.pipeline_parallel as pipeline
+
+    real = pipeline.get_forward_backward_func()
+    calls = {"train": 0}
+
+    def poisoned(*args, forward_only=False, **kwargs):
+        out = real(*args, forward_only=forward_only, **kwargs)
+        if not forward_only:
+            calls["train"] += 1
+            if calls["train"] == 6:
+                next(p for p in args[2].parameters() if p.grad is not None).grad.view(-1)[0] = float("inf")
+        return out
+
+    monkeypatch.setattr(pipeline, "get_forward_backward_func", lambda: poisoned)
+    recipe = tiny_recipe("train_iters=16", "fp16=true", "initial_loss_scale=1024", "hysteresis=1",
+                         "save_interval=null", "eval_iters=0")
+    summary = train(recipe, tmp_path, corpus, vocab_size=VOCAB_SIZE)
+    metrics = [m for m in read_metrics(tmp_path) if m["type"] == "train"]
+    by_it = {m["iteration"]: m for m in metrics}
+    assert summary["skipped_iterations"] == 1 and by_it[6]["skipped"] == 1
+    assert by_it[5]["loss_scale"] == 1024.0 and by_it[6]["loss_scale"] == 512.0
+    assert by_it[6]["lr"] == by_it[5]["lr"]  # a skipped step does not advance the schedule
+    assert all(m["skipped"] == 0 for m in metrics if m["iteration"] != 6)
+    assert by_it[16]["lm_loss"] < by_it[7]["lm_loss"] < by_it[1]["lm_loss"]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("lr=0 min_lr=0", "training.lr must be > 0"),
+    ("clip_grad=-1", "training.clip_grad must be >= 0"),
+    ("eval_iters=-2", "training.eval_iters must be >= 0"),
+    ("save_interval=0", "training.save_interval must be >= 1"),
+    ("adam_beta2=1.0", "training.adam_beta2 must be in [0, 1)"),
+    ("world_size=2", "the recipe's parallel.world_size is 2 but 1 processes were started"),
+])
+def test_bad_recipe_values_refused_at_start(corpus, tmp_path, override, message):
+    with pytest.raises(UserError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        train(tiny_recipe(*override.split()), tmp_path, corpus, vocab_size=VOCAB_SIZE)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_cli_reports_errors_for_people(tmp_path, capsys):
+    rc = train_main(["--recipe", "smoke", "--set", "lr=0", "--set", "min_lr=0", "--data-path", str(tmp_path / "nothing"),
+                     "--vocab-size", "100", "--run-dir", str(tmp_path / "run")])
+    assert rc == 2
+    assert "error: cannot train this recipe: training.lr must be > 0" in capsys.readouterr().err
+
+
+def test_megatron_log_line_format(first_run, capsys, corpus, tmp_path):
+    from megatron_core.training.logging import megatron_train_line
+
+    line = megatron_train_line(iteration=10, train_iters=300, consumed_samples=320, elapsed_ms=123.45, tflops=1.23,
+                               lr=3e-3, global_batch_size=32, lm_loss=5.4321, loss_scale=1.0, grad_norm=0.75,
+                               skipped=0, nan=0)
+    assert line.endswith("] iteration       10/     300 | consumed samples:          320 | elapsed time per "
+                         "iteration (ms): 123.5 | throughput per GPU (TFLOP/s/GPU): 1.2 | learning rate: "
+                         "3.000000E-03 | global batch size:    32 | lm loss: 5.432100E+00 | loss scale: 1.0 | "
+                         "grad norm: 0.750 | number of skipped iterations:   0 | number of nan iterations:   0 |")
+    assert line.startswith(" [20")
