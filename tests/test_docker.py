@@ -255,3 +255,18 @@ def test_no_engine_names_the_socket_tried(monkeypatch, tmp_path):
 def test_default_socket_when_docker_host_unset(monkeypatch):
     monkeypatch.delenv("DOCKER_HOST", raising=False)
     assert containers.engine_socket() == "unix:///var/run/docker.sock"
+
+
+def test_docker_tasks_need_no_torch_on_the_host(tmp_path):
+    # The GPU runner drives the image from a host venv without torch (torch lives in the image).
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from megatron_core import containers\n"
+            f"containers.build(dry_run=True)\n"
+            f"containers.run('smoke', gpus=1, dry_run=True, workdir={str(tmp_path / 'w')!r}, "
+            f"cache={str(tmp_path / 'c')!r})\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[1].startswith("docker run --rm --gpus 1 --ipc=host")

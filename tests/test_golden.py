@@ -141,3 +141,23 @@ def test_committed_golden_files_are_valid():
         g = golden.load_golden(recipe)
         assert g.recipe == recipe and g.values["train"], recipe
         assert all(math.isfinite(v) for by_it in g.values.values() for v in by_it.values())
+
+
+# ----------------------------------------------------------------------------------------------
+# ci/hf_load.py: the smoke job's "transformers loads the converted model" step
+# ----------------------------------------------------------------------------------------------
+
+
+def test_hf_load_checks_shape_loss_and_generation(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from ci import hf_load
+
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=64, vocab_size=128)).save_pretrained(tmp_path)
+    expect = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 4, "n_positions": 64}
+    result = hf_load.check_hf_model(tmp_path, expect)
+    assert math.isfinite(result["loss"]) and len(result["generated_ids"]) == 8
+    with pytest.raises(golden.UserError, match=r"does not match the recipe: n_layer=2 \(recipe: 12\)"):
+        hf_load.check_hf_model(tmp_path, {**expect, "n_layer": 12})
+    with pytest.raises(golden.UserError, match="has no config.json"):
+        hf_load.check_hf_model(tmp_path / "absent")
