@@ -188,6 +188,7 @@ class RunRequest:
     environment: tuple[tuple[str, str], ...] = ()
     network_host: bool = False  # multi-node: NCCL and torchrun need the host's interfaces
     name: str | None = None
+    make_dirs: tuple[str, ...] = ()  # host directories to create before the run (else Docker makes them as root)
 
     def device_requests(self) -> list:
         from docker.types import DeviceRequest
@@ -251,15 +252,14 @@ def run_request(recipe: str = DEFAULT_RECIPE, task: str = DEFAULT_TASK, gpus: Gp
                 name: str | None = None) -> RunRequest:
     """The container for `invoke <task> --recipe <recipe> [task_args...]`, with the host's `workdir` on /work
     and `cache` (default ~/.cache/megatron-recipes) on /cache; --mount entries add to (or replace, by
-    container path) those two. Creates the work and cache directories so Docker does not make them as root."""
+    container path) those two. Pure: the host directories are made only when the request is sent."""
     if not re.match(r"^[a-z][a-z0-9_.-]*$", task):
         raise ContainerError(f"--task {task!r} is not an invoke task name; e.g. train, pipeline, evaluate")
     _check_recipe_name(recipe)
     defaults = []
     for host, target in ((workdir, CONTAINER_WORKDIR),
                          (cache or Path.home() / ".cache" / IMAGE_NAME, CONTAINER_CACHE)):
-        Path(host).expanduser().mkdir(parents=True, exist_ok=True)
-        defaults.append(parse_mount(f"{host}:{target}"))
+        defaults.append(parse_mount(f"{host}:{target}", must_exist=False))
     extra = [parse_mount(spec) for spec in mounts or ()]
     by_target = {m.target: m for m in defaults + extra}
     return RunRequest(
@@ -270,6 +270,7 @@ def run_request(recipe: str = DEFAULT_RECIPE, task: str = DEFAULT_TASK, gpus: Gp
         environment=parse_env(env),
         network_host=network_host,
         name=name,
+        make_dirs=tuple(m.source for m in defaults if by_target[m.target] is m),
     )
 
 
@@ -282,6 +283,8 @@ def send_run(request: RunRequest, client, echo: Echo = print) -> int:
     except docker.errors.ImageNotFound:
         raise ContainerError(f"image {request.image} is not on this Docker engine; build it first with "
                              f"`invoke docker.build --tag {request.image}`") from None
+    for directory in request.make_dirs:
+        Path(directory).mkdir(parents=True, exist_ok=True)
     echo(f"+ {request.command_line()}")
     container = client.containers.run(**request.sdk_kwargs())
     try:

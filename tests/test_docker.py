@@ -162,6 +162,7 @@ def test_run_with_gpu_count_mounts_env_network_and_task(dirs, tmp_path):
                           env=["NCCL_SOCKET_IFNAME=eth0"], network_host=True,
                           task_args=["--set", "lr=1e-4"], image="me/img:2")
     assert code == 3
+    assert not work.exists()  # replaced by the --mount onto /work, so not made
     kwargs = client.calls[1][1]
     assert kwargs["image"] == "me/img:2"
     assert kwargs["command"] == ["invoke", "pipeline", "--recipe", "smoke", "--set", "lr=1e-4"]
@@ -177,6 +178,7 @@ def test_run_with_gpu_count_mounts_env_network_and_task(dirs, tmp_path):
 def test_run_dry_run_line(dirs):
     work, cache = dirs
     line = containers.run(dry_run=True, echo=lambda _: None, workdir=work, cache=cache)
+    assert not work.exists() and not cache.exists()  # a dry run changes nothing
     assert line == (f"docker run --rm --gpus all --ipc=host --ulimit memlock=-1 --ulimit stack=67108864 "
                     f"-v {work}:/work -v {cache}:/cache {IMAGE} invoke train --recipe codeparrot-small")
 
