@@ -119,6 +119,16 @@ class IndexedDatasetBuilder:
             self.add_item(sequence)
         self.end_document()
 
+    def add_document_array(self, tokens: np.ndarray, lengths: Sequence[int]) -> None:
+        """Append one whole document given as its concatenated tokens and sequence lengths
+        (the fast path of preprocessing: one write per document)."""
+        arr = np.asarray(tokens, dtype=self.dtype)
+        if arr.size != sum(lengths):
+            raise ValueError(f"{arr.size} tokens do not match sequence lengths summing to {sum(lengths)}")
+        self._data.write(arr.tobytes(order="C"))
+        self._lengths.extend(lengths)
+        self.end_document()
+
     def add_index(self, other_prefix: PathLike) -> None:
         """Append every document of another dataset (any impl, same dtype)."""
         other = IndexedDataset(other_prefix)

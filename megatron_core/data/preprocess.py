@@ -1,0 +1,338 @@
+"""Loose JSON lines -> Megatron `.bin/.idx`, as Megatron-LM's `tools/preprocess_data.py` does.
+
+    python -m megatron_core.data.preprocess --input corpus.jsonl --json-keys content \\
+        --output-prefix out/data --tokenizer-type GPT2BPETokenizer \\
+        --vocab-file vocab.json --merge-file merges.txt --append-eod --workers 2
+
+Writes `{prefix}_{key}_document.{bin,idx}` (`_sentence` with --split-sentences). Semantics of
+Megatron-LM core_v0.8.0, byte for byte: one JSON line is one document; its text (or each
+sentence) is tokenized, sentences with no tokens are dropped, and with --append-eod the EOD id
+ends a document that has any token. A document with no tokens stays a document with zero
+sequences. Input is streamed in chunks of lines to worker processes (results in input order).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import multiprocessing
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+import numpy as np
+
+from megatron_core.data import sentence_split
+from megatron_core.data.indexed_dataset import IMPLS, IndexedDatasetBuilder, best_token_dtype
+from megatron_core.data.tokenizer import ENGINES, GPT2BPETokenizer
+from megatron_core.errors import UserError
+
+CHUNK_LINES = 256
+CHUNK_BYTES = 2 << 20
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m megatron_core.data.preprocess", description=__doc__.split("\n")[0])
+    g = p.add_argument_group("input data")
+    g.add_argument("--input", nargs="+", required=True, help="JSON-lines files or globs (.jsonl, .json, .gz)")
+    g.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract from each JSON line")
+    g.add_argument("--split-sentences", action="store_true", help="split documents into sentences (punkt)")
+    g.add_argument("--keep-newlines", action="store_true", help="keep newlines between sentences when splitting")
+    g.add_argument("--skip-bad-lines", action="store_true", help="count and skip malformed JSON lines")
+    g = p.add_argument_group("tokenizer")
+    g.add_argument("--tokenizer-type", default="GPT2BPETokenizer", choices=["GPT2BPETokenizer"])
+    g.add_argument("--vocab-file", required=True)
+    g.add_argument("--merge-file", required=True)
+    g.add_argument("--append-eod", action="store_true", help="append the EOD token to every document")
+    g.add_argument("--lang", default="english", help="accepted for Megatron compatibility (punkt is trained on the input)")
+    g.add_argument("--tokenizer-engine", default="auto", choices=ENGINES)
+    g = p.add_argument_group("output data")
+    g.add_argument("--output-prefix", required=True)
+    g.add_argument("--dataset-impl", default="mmap", choices=IMPLS)
+    g = p.add_argument_group("runtime")
+    g.add_argument("--workers", type=int, default=1)
+    g.add_argument("--log-interval", type=int, default=1000)
+    return p
+
+
+def preprocess_args(**options) -> argparse.Namespace:
+    """The Namespace the CLI would build, from keyword arguments named like its flags."""
+    args = build_parser().parse_args(["--input", "-", "--vocab-file", "-", "--merge-file", "-", "--output-prefix", "-"])
+    for key, value in options.items():
+        if not hasattr(args, key):
+            raise TypeError(f"preprocess has no option {key!r}")
+        setattr(args, key, value)
+    return args
+
+
+# ----------------------------------------------------------------------------------------------
+# Input
+# ----------------------------------------------------------------------------------------------
+
+
+def expand_inputs(patterns) -> list[str]:
+    files = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+        if not matches:
+            raise UserError(f"--input {pattern} matches no file; check the path or the glob")
+        for path in matches:
+            if not os.path.isfile(path):
+                raise UserError(f"input file {path} does not exist; check --input")
+            if not os.access(path, os.R_OK):
+                raise UserError(f"input file {path} is not readable; check its permissions")
+            files.append(path)
+    return files
+
+
+def _open_binary(path: str):
+    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+
+
+@dataclass
+class _Chunk:
+    path: str
+    first_line: int
+    lines: list  # bytes, one JSON document each
+
+
+def read_chunks(files) -> Iterator[_Chunk]:
+    """Lines of all files in order, a bounded number at a time (never the whole corpus)."""
+    for path in files:
+        try:
+            with _open_binary(path) as f:
+                lines, size, first = [], 0, 1
+                for number, line in enumerate(f, start=1):
+                    if not line.strip():
+                        continue  # blank lines are not documents (json.loads refuses them too)
+                    if not lines:
+                        first = number
+                    lines.append((number, line))
+                    size += len(line)
+                    if len(lines) >= CHUNK_LINES or size >= CHUNK_BYTES:
+                        yield _Chunk(path, first, lines)
+                        lines, size = [], 0
+                if lines:
+                    yield _Chunk(path, first, lines)
+        except (OSError, EOFError, gzip.BadGzipFile) as exc:
+            raise UserError(f"cannot read input file {path} ({exc}); check that it is intact") from None
+
+
+def _iter_texts(files, keys) -> Iterator[str]:
+    """Texts in input order, for training the sentence splitter (bad lines are skipped here;
+    the real pass reports them)."""
+    for chunk in read_chunks(files):
+        for _, line in chunk.lines:
+            try:
+                doc = json.loads(line)
+            except ValueError:
+                continue
+            for key in keys:
+                if isinstance(doc, dict) and isinstance(doc.get(key), str):
+                    yield doc[key]
+
+
+# ----------------------------------------------------------------------------------------------
+# Workers
+# ----------------------------------------------------------------------------------------------
+
+
+class _Encoder:
+    def __init__(self, args, engine: str, punkt_params) -> None:
+        self.keys = list(args.json_keys)
+        self.append_eod = args.append_eod
+        self.tokenizer = GPT2BPETokenizer(args.vocab_file, args.merge_file, engine=engine, quiet=True)
+        self.dtype = best_token_dtype(self.tokenizer.vocab_size)
+        self.splitter = (
+            sentence_split.make_splitter(punkt_params, args.keep_newlines) if punkt_params is not None else None
+        )
+
+    def encode_chunk(self, chunk: _Chunk):
+        """Per line: ("ok", {key: (tokens, sentence lengths)}, bytes) or ("bad", line number, why)."""
+        out = []
+        for number, line in chunk.lines:
+            try:
+                doc = json.loads(line)
+            except ValueError as exc:  # JSONDecodeError and invalid UTF-8 alike
+                out.append(("bad", number, f"malformed JSON ({exc})"))
+                continue
+            if not isinstance(doc, dict):
+                out.append(("bad", number, f"a JSON line must be an object, got {type(doc).__name__}"))
+                continue
+            encoded = {}
+            for key in self.keys:
+                if key not in doc:
+                    out.append(("error", number, f"has no key {key!r} (keys: {', '.join(map(str, doc))}); set --json-keys"))
+                    break
+                encoded[key] = self._encode_text(doc[key], number, key)
+                if isinstance(encoded[key], str):
+                    out.append(("error", number, encoded[key]))
+                    break
+            else:
+                out.append(("ok", encoded, len(line)))
+        return chunk.path, out
+
+    def _encode_text(self, value, number, key):
+        if isinstance(value, list) and all(isinstance(s, str) for s in value):
+            sentences = value  # already split, as Megatron accepts
+        elif isinstance(value, str):
+            sentences = self.splitter.tokenize(value) if self.splitter is not None else [value]
+        else:
+            return f"key {key!r} holds a {type(value).__name__}, not a string; the corpus must hold text"
+        ids, lengths = [], []
+        for sentence_ids in self.tokenizer.encode_batch(sentences):
+            if sentence_ids:
+                ids.extend(sentence_ids)
+                lengths.append(len(sentence_ids))
+        if ids and self.append_eod:
+            ids.append(self.tokenizer.eod)
+            lengths[-1] += 1
+        return np.asarray(ids, dtype=self.dtype), lengths
+
+
+_worker_encoder: Optional[_Encoder] = None
+
+
+def _init_worker(args, engine, punkt_params) -> None:
+    global _worker_encoder
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    _worker_encoder = _Encoder(args, engine, punkt_params)
+
+
+def _encode_in_worker(chunk):
+    return _worker_encoder.encode_chunk(chunk)
+
+
+# ----------------------------------------------------------------------------------------------
+# Driver
+# ----------------------------------------------------------------------------------------------
+
+
+class _Progress:
+    def __init__(self, interval: int) -> None:
+        self.interval = max(1, int(interval))
+        self.start = time.perf_counter()
+        self.documents = self.bytes = self.tokens = 0
+
+    def add(self, nbytes: int, ntokens: int) -> None:
+        self.documents += 1
+        self.bytes += nbytes
+        self.tokens += ntokens
+        if self.documents % self.interval == 0:
+            _log(self.line())
+
+    def line(self) -> str:
+        s = max(time.perf_counter() - self.start, 1e-9)
+        return (
+            f"Processed {self.documents} documents ({self.documents / s:.1f} docs/s, "
+            f"{self.bytes / s / 1e6:.2f} MB/s, {self.tokens / s:.0f} tokens/s)."
+        )
+
+
+def preprocess(args: argparse.Namespace) -> dict:
+    """Run the preprocessing described by args (see build_parser); returns a summary dict."""
+    if args.tokenizer_type != "GPT2BPETokenizer":
+        raise UserError(f"tokenizer type {args.tokenizer_type} is not supported; use GPT2BPETokenizer")
+    if args.workers < 1:
+        raise UserError(f"--workers must be at least 1, got {args.workers}")
+    files = expand_inputs(args.input)
+    tokenizer = GPT2BPETokenizer(args.vocab_file, args.merge_file, engine=args.tokenizer_engine)
+    engine = tokenizer.engine.name
+    dtype = best_token_dtype(tokenizer.vocab_size)
+    punkt_params = None
+    if args.split_sentences:
+        punkt_params = sentence_split.train_punkt(_iter_texts(files, args.json_keys))
+        _log("sentence splitter: punkt trained on the first 4 MB of the input (no download)")
+    level = "sentence" if args.split_sentences else "document"
+    Path(args.output_prefix).parent.mkdir(parents=True, exist_ok=True)
+    prefixes = {key: f"{args.output_prefix}_{key}_{level}" for key in args.json_keys}
+    builders = {key: IndexedDatasetBuilder(f"{p}.bin", dtype=dtype, impl=args.dataset_impl) for key, p in prefixes.items()}
+    progress = _Progress(args.log_interval)
+    empty = {key: 0 for key in args.json_keys}
+    bad_lines = 0
+    pool = None
+    try:
+        chunks = read_chunks(files)
+        if args.workers == 1:
+            encoder = _Encoder(args, engine, punkt_params)
+            results = map(encoder.encode_chunk, chunks)
+        else:
+            ctx = multiprocessing.get_context("spawn" if sys.platform == "darwin" else "fork")
+            pool = ctx.Pool(args.workers, initializer=_init_worker, initargs=(args, engine, punkt_params))
+            results = pool.imap(_encode_in_worker, chunks)
+        for path, lines in results:
+            for result in lines:
+                if result[0] != "ok":
+                    kind, number, why = result
+                    if kind == "bad" and args.skip_bad_lines:
+                        bad_lines += 1
+                        continue
+                    hint = "; fix the line or pass --skip-bad-lines" if kind == "bad" else ""
+                    raise UserError(f"{path} line {number}: {why}{hint}")
+                _, encoded, nbytes = result
+                ntokens = 0
+                for key, (ids, lengths) in encoded.items():
+                    builders[key].add_document_array(ids, lengths)
+                    empty[key] += not lengths
+                    ntokens += len(ids)
+                progress.add(nbytes, ntokens)
+        if progress.documents == 0:
+            raise UserError(f"the input ({', '.join(files)}) holds no documents; give a non-empty JSON-lines file")
+        for key, builder in builders.items():
+            builder.finalize(f"{prefixes[key]}.idx")
+    except BaseException:
+        for builder in builders.values():
+            builder.abort()
+        raise
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    seconds = time.perf_counter() - progress.start
+    _log(progress.line())
+    summary = {
+        "documents": progress.documents,
+        "empty_documents_kept": empty,
+        "bad_lines_skipped": bad_lines,
+        "tokens": progress.tokens,
+        "sequences": {key: b.num_sequences for key, b in builders.items()},
+        "input_bytes": progress.bytes,
+        "seconds": round(seconds, 3),
+        "mb_per_s": round(progress.bytes / seconds / 1e6, 3),
+        "tokens_per_s": round(progress.tokens / seconds, 1),
+        "documents_per_s": round(progress.documents / seconds, 1),
+        "workers": args.workers,
+        "tokenizer_engine": engine,
+        "dtype": str(dtype),
+        "dataset_impl": args.dataset_impl,
+        "outputs": prefixes,
+    }
+    _log(
+        f"done: {summary['documents']} documents ({sum(empty.values())} empty kept as zero-sequence documents, "
+        f"{bad_lines} bad lines skipped), {summary['tokens']} tokens in {summary['seconds']} s "
+        f"({summary['mb_per_s']} MB/s) -> {', '.join(prefixes.values())}"
+    )
+    return summary
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        preprocess(args)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
