@@ -34,12 +34,13 @@ def write_tokenizer(out: Path, vocab_size: int = 300) -> tuple[Path, Path]:
     return out / "vocab.json", out / "merges.txt"
 
 
-def tiny_recipe(tp: int = 1, pp: int = 1, untie: bool = False, gelu_tanh: bool = True):
+def tiny_recipe(tp: int = 1, pp: int = 1, untie: bool = False, gelu_tanh: bool = True, init_std: float = 0.02):
     return recipe_from_dict({
         "name": "convert-test", "version": 3,
         "model": {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32,
                   "max_position_embeddings": 32, "hidden_dropout": 0.0, "attention_dropout": 0.0,
-                  "untie_embeddings_and_output_weights": untie, "bias_gelu_fusion": gelu_tanh},
+                  "untie_embeddings_and_output_weights": untie, "bias_gelu_fusion": gelu_tanh,
+                  "init_method_std": init_std},
         "parallel": {"world_size": tp * pp, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp},
         "tokenizer": {"vocab_size": 300},
     })

@@ -64,17 +64,24 @@ def megatron_to_gpt2_state(state: dict, shape: ModelShape) -> dict:
 
 
 def gpt2_to_megatron_state(hf: dict, shape: ModelShape) -> dict:
-    """GPT2LMHeadModel state -> canonical Megatron state (inverse of megatron_to_gpt2_state)."""
+    """GPT2LMHeadModel state -> canonical Megatron state (inverse of megatron_to_gpt2_state), in
+    GPTModel.state_dict() order: embeddings, layers, final norm, output layer."""
     out = {}
+    for name in ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight"):
+        out[name] = hf[_GLOBAL_MAP[name]]
     for L in range(shape.num_layers):
         src, dst = f"transformer.h.{L}.", f"encoder.layers.{L}."
-        for name, (hf_name, transpose) in _LAYER_MAP.items():
-            t = hf[src + hf_name]
-            out[dst + name] = t.t() if transpose else t
+        out[dst + "input_layernorm.weight"] = hf[src + "ln_1.weight"]
+        out[dst + "input_layernorm.bias"] = hf[src + "ln_1.bias"]
         out[dst + _QKV[0]] = _qkv_from_hf(hf[src + _QKV[1]].t().contiguous(), shape)
         out[dst + _QKV_BIAS[0]] = _qkv_from_hf(hf[src + _QKV_BIAS[1]], shape)
-    for name, hf_name in _GLOBAL_MAP.items():
-        if name == "output_layer.weight" and shape.tied_embeddings:
-            continue
-        out[name] = hf[hf_name]
+        for name, (hf_name, transpose) in _LAYER_MAP.items():
+            if name.startswith("input_layernorm"):
+                continue
+            t = hf[src + hf_name]
+            out[dst + name] = t.t() if transpose else t
+    for name in ("encoder.final_layernorm.weight", "encoder.final_layernorm.bias"):
+        out[name] = hf[_GLOBAL_MAP[name]]
+    if not shape.tied_embeddings:
+        out["output_layer.weight"] = hf["lm_head.weight"]
     return {k: v.contiguous() for k, v in out.items()}

@@ -95,6 +95,14 @@ def save_tokenizer(vocab: Path, merges: Path, out_dir: Path):
     if not tokenizer.encode("def f(x):\n    return x"):
         raise UserError(f"tokenizer from {vocab} encodes text to nothing; the vocab/merges files are broken")
     tokenizer.save_pretrained(out_dir)
+    # transformers 5 saves only tokenizer.json; keep the BPE files too (4.x and Megatron read them),
+    # and name the class so that 4.x loads the fast tokenizer (5.x maps it to the same class).
+    shutil.copyfile(vocab, out_dir / "vocab.json")
+    shutil.copyfile(merges, out_dir / "merges.txt")
+    config_file = out_dir / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["tokenizer_class"] = "GPT2TokenizerFast"
+    config_file.write_text(json.dumps(config, indent=2) + "\n")
     return tokenizer
 
 
