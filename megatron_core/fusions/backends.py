@@ -11,7 +11,6 @@ import time). The tests do this; anything else asking for "triton" on a CPU gets
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -34,7 +33,11 @@ def _device_type(device) -> str:
         raise UserError(f"unknown device {device!r}; use 'cpu' or 'cuda[:N]'") from exc
 
 
-@functools.lru_cache(maxsize=None)
+# Device types on which Triton was found usable; that cannot change later in the process, so every
+# call after the first (and a torch.compile trace) skips the checks.
+_TRITON_USABLE_ON: set[str] = set()
+
+
 def _triton_import_problem() -> str | None:
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed (pip install triton)"
@@ -57,15 +60,20 @@ def _triton_interpreter_problem() -> str | None:
 
 def triton_problem(device) -> str | None:
     """Why Triton cannot run on `device`, or None when it can."""
-    problem = _triton_import_problem()
-    if problem:
-        return problem
     kind = _device_type(device)
-    if kind == "cuda":
-        return None if torch.cuda.is_available() else "no CUDA device is available to this process"
-    if kind == "cpu":
-        return _triton_interpreter_problem()
-    return f"Triton kernels are not supported on device type {kind!r}"
+    if kind in _TRITON_USABLE_ON:
+        return None
+    problem = _triton_import_problem()
+    if problem is None:
+        if kind == "cuda":
+            problem = None if torch.cuda.is_available() else "no CUDA device is available to this process"
+        elif kind == "cpu":
+            problem = _triton_interpreter_problem()
+        else:
+            problem = f"Triton kernels are not supported on device type {kind!r}"
+    if problem is None:
+        _TRITON_USABLE_ON.add(kind)
+    return problem
 
 
 def apex_problem(device) -> str | None:

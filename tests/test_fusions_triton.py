@@ -1,0 +1,291 @@
+"""Every Triton kernel against its torch reference, under Triton's CPU interpreter.
+
+How the interpreter gets switched on (checked on triton 3.9): TRITON_INTERPRET=1 must be in the environment
+before the process first imports triton, because triton decorates its own library functions (tl.rand,
+...) at import; setting it later makes every kernel that calls them fail. Our kernel modules load only on
+first use, so setting os.environ at the top of this module, before anything imports triton, works when this
+module is imported first. In a full pytest run some earlier module may already have imported triton
+(torch._dynamo and transformers' model code do); then these cases cannot run in this process, and
+`test_triton_cases_in_a_fresh_process` runs this very file in a fresh python with the variable set (and fails if
+any case fails there). Exactly one of the two paths runs the cases; the other is skipped with its reason.
+
+Outputs are poisoned: every tensor a launcher allocates is filled with NaN (floats) or 127 (int8 masks), so an
+element a kernel forgets to write fails the comparison. Tolerances are norm-wise relative: ||a - b|| / ||b||,
+against an fp32 reference computed from the same (possibly low-precision) inputs.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before anything below can import triton; see the docstring
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from megatron_core.errors import UserError  # noqa: E402
+from megatron_core.fusions import (  # noqa: E402
+    bias_dropout_add,
+    bias_gelu,
+    cross_entropy,
+    layer_norm,
+    scaled_causal_softmax,
+)
+from megatron_core.fusions.backends import triton_problem  # noqa: E402
+from megatron_core.fusions.bias_gelu import bias_gelu_reference  # noqa: E402
+from megatron_core.fusions.cross_entropy import cross_entropy_reference  # noqa: E402
+from megatron_core.fusions.layer_norm import layer_norm_reference  # noqa: E402
+from megatron_core.fusions.softmax import scaled_causal_softmax_reference  # noqa: E402
+
+INTERPRETER_PROBLEM = triton_problem("cpu")
+needs_interpreter = pytest.mark.skipif(
+    INTERPRETER_PROBLEM is not None,
+    reason=f"not in this process ({INTERPRETER_PROBLEM}); test_triton_cases_in_a_fresh_process runs them")
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+HIDDEN_SIZES = (64, 768, 1000, 1536)
+ROWS = (1, 7, 33)
+# fp32: every hidden size x rows 1/7/33, plus 1024 rows at hidden 64; fp16/bf16: a subset.
+FP32_GRID = [(rows, hidden, torch.float32) for hidden in HIDDEN_SIZES for rows in ROWS] + [(1024, 64, torch.float32)]
+LOW_PRECISION_GRID = [(7, 1000, torch.float16), (33, 768, torch.float16), (1, 1536, torch.float16),
+                      (7, 1000, torch.bfloat16), (33, 64, torch.bfloat16), (1, 1536, torch.bfloat16)]
+ELEMENTWISE_GRID = FP32_GRID + LOW_PRECISION_GRID
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    expected = expected.detach().double()
+    return ((actual.detach().double() - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+
+
+def assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert torch.isfinite(actual).all(), f"{name}: non-finite values (an unwritten, poisoned element?)"
+    error = relative_error(actual, expected)
+    assert error <= TOLERANCE[dtype], f"{name}: relative error {error:.3e} > {TOLERANCE[dtype]:.1e} ({dtype})"
+
+
+@pytest.fixture
+def poisoned_outputs(monkeypatch):
+    """Make every launcher allocation NaN/127-filled; yields the list of allocated shapes."""
+    from megatron_core.fusions.triton_kernels import _common
+
+    allocated = []
+
+    def poisoned(shape, dtype, device):
+        allocated.append(tuple(shape))
+        fill = float("nan") if dtype.is_floating_point else 127
+        return torch.full(shape, fill, dtype=dtype, device=device)
+
+    monkeypatch.setattr(_common, "new_output", poisoned)
+    yield allocated
+    assert allocated, "the kernels never allocated through _common.new_output: the poisoning did not apply"
+
+
+def leaf(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor.to(dtype).requires_grad_()
+
+
+def fp32_leaf(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().float().requires_grad_()
+
+
+def compare_fwd_bwd(name, fused, reference, inputs, dtype):
+    """Run fused(*inputs) and reference(*fp32 copies) forward and backward with the same random dy."""
+    inputs_ref = [fp32_leaf(t) for t in inputs]
+    out = fused(*inputs)
+    out_ref = reference(*inputs_ref)
+    assert_close(f"{name} forward", out, out_ref, dtype)
+    dy = torch.randn_like(out_ref).to(out.dtype)
+    grads = torch.autograd.grad(out, inputs, dy)
+    grads_ref = torch.autograd.grad(out_ref, inputs_ref, dy.float())
+    for index, (grad, grad_ref) in enumerate(zip(grads, grads_ref)):
+        assert grad.dtype == inputs[index].dtype, f"{name} grad {index} has dtype {grad.dtype}"
+        assert_close(f"{name} grad of input {index}", grad, grad_ref, dtype)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("rows,hidden,dtype", ELEMENTWISE_GRID)
+def test_layer_norm_matches_reference(rows, hidden, dtype, poisoned_outputs):
+    x = leaf(torch.randn(rows, hidden) * 3 + 1, dtype)
+    weight, bias = leaf(torch.randn(hidden), dtype), leaf(torch.randn(hidden), dtype)
+    compare_fwd_bwd("layer_norm", lambda *a: layer_norm(*a, eps=1e-5, backend="triton"),
+                    lambda *a: layer_norm_reference(*a, eps=1e-5), [x, weight, bias], dtype)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("rows,hidden,dtype", ELEMENTWISE_GRID)
+def test_bias_gelu_matches_reference(rows, hidden, dtype, poisoned_outputs):
+    x, bias = leaf(torch.randn(rows, hidden) * 2, dtype), leaf(torch.randn(hidden), dtype)
+    compare_fwd_bwd("bias_gelu", lambda *a: bias_gelu(*a, backend="triton"), bias_gelu_reference, [x, bias], dtype)
+
+
+def masked_reference(x, bias, residual, keep, p):
+    z = x if bias is None else x + bias
+    return residual + torch.where(keep, z / (1.0 - p), torch.zeros_like(z))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("rows,hidden,dtype", ELEMENTWISE_GRID)
+def test_bias_dropout_add_matches_reference_with_the_kernel_mask(rows, hidden, dtype, poisoned_outputs):
+    from megatron_core.fusions.triton_kernels.bias_dropout_add import keep_mask, seed_tensor
+
+    p, seed = 0.25, 1000 + rows + hidden
+    x, bias, residual = (leaf(torch.randn(rows, hidden), dtype), leaf(torch.randn(hidden), dtype),
+                         leaf(torch.randn(rows, hidden), dtype))
+    keep = keep_mask((rows, hidden), p, seed_tensor(seed, x.device))
+    compare_fwd_bwd("bias_dropout_add",
+                    lambda *a: bias_dropout_add(*a, p, True, generator_seed=seed, backend="triton"),
+                    lambda x_, b_, r_: masked_reference(x_, b_, r_, keep, p), [x, bias, residual], dtype)
+
+
+@needs_interpreter
+def test_dropout_mask_is_seeded_and_keeps_one_minus_p(poisoned_outputs):
+    from megatron_core.fusions.triton_kernels.bias_dropout_add import keep_mask, seed_tensor
+
+    x, residual = torch.randn(64, 1000), torch.randn(64, 1000)
+    first = bias_dropout_add(x, None, residual, 0.3, True, generator_seed=7, backend="triton")
+    again = bias_dropout_add(x, None, residual, 0.3, True, generator_seed=7, backend="triton")
+    other = bias_dropout_add(x, None, residual, 0.3, True, generator_seed=8, backend="triton")
+    assert torch.equal(first, again), "same seed must give the same mask"
+    assert not torch.equal(first, other), "different seeds gave the same mask"
+    kept = first != residual
+    assert torch.equal(kept, keep_mask(x.shape, 0.3, seed_tensor(7, x.device))), "keep_mask disagrees with forward"
+    # 64000 Bernoulli(0.7) draws: the kept fraction lies within 5 standard deviations (0.0018) of 0.7.
+    assert abs(kept.float().mean().item() - 0.7) < 5 * (0.7 * 0.3 / x.numel()) ** 0.5
+    unseeded = [bias_dropout_add(x, None, residual, 0.3, True, backend="triton") for _ in range(2)]
+    assert not torch.equal(*unseeded), "without a seed, each call must draw a fresh mask"
+
+
+@needs_interpreter
+@pytest.mark.parametrize("p,training", [(0.0, True), (0.4, False), (1.0, True)])
+def test_bias_dropout_add_edge_probabilities(p, training, poisoned_outputs):
+    x, bias, residual = (torch.randn(7, 768, requires_grad=True), torch.randn(768, requires_grad=True),
+                         torch.randn(7, 768, requires_grad=True))
+    out = bias_dropout_add(x, bias, residual, p, training, generator_seed=3, backend="triton")
+    expected = residual if p == 1.0 else residual + x + bias
+    assert torch.allclose(out, expected, rtol=0, atol=1e-6)
+    dx, dbias, dresidual = torch.autograd.grad(out.sum(), (x, bias, residual))
+    assert torch.equal(dresidual, torch.ones_like(residual))
+    assert torch.equal(dx, torch.zeros_like(x) if p == 1.0 else torch.ones_like(x))
+    assert torch.allclose(dbias, dx.sum(0))
+
+
+SOFTMAX_GRID = ([((1, 1, 1, 1), torch.float32), ((2, 3, 7, 7), torch.float32), ((1, 2, 33, 33), torch.float32),
+                 ((1, 1, 64, 64), torch.float32), ((1, 1, 1000, 1000), torch.float32),
+                 ((2, 2, 33, 33), torch.float16), ((1, 2, 64, 64), torch.bfloat16)])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("shape,dtype", SOFTMAX_GRID)
+def test_scaled_causal_softmax_matches_reference(shape, dtype, poisoned_outputs):
+    scale = 0.125
+    scores = leaf(torch.randn(shape) * 4, dtype)
+    compare_fwd_bwd("softmax", lambda s: scaled_causal_softmax(s, scale, backend="triton"),
+                    lambda s: scaled_causal_softmax_reference(s, scale), [scores], dtype)
+
+
+CROSS_ENTROPY_GRID = ([(rows, vocab, torch.float32) for vocab in (64, 1000, 1536, 9000) for rows in (1, 7, 33)]
+                      + [(7, 1000, torch.float16), (33, 9000, torch.float16), (7, 1536, torch.bfloat16)])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("rows,vocab,dtype", CROSS_ENTROPY_GRID)
+def test_cross_entropy_matches_reference(rows, vocab, dtype, poisoned_outputs):
+    logits = leaf(torch.randn(rows, vocab) * 3, dtype)
+    labels = torch.randint(0, vocab, (rows,))
+    labels[0] = vocab - 1  # the last vocab entry, past the final full block
+
+    def plain(lg):
+        return F.cross_entropy(lg, labels, reduction="none")
+
+    compare_fwd_bwd("cross_entropy", lambda lg: cross_entropy(lg, labels, backend="triton"), plain, [logits], dtype)
+    compare_fwd_bwd("cross_entropy vs torch backend", lambda lg: cross_entropy(lg, labels, backend="triton"),
+                    lambda lg: cross_entropy_reference(lg, labels), [leaf(logits.detach(), dtype)], dtype)
+
+
+@needs_interpreter
+def test_cross_entropy_with_a_shard_offset_matches_the_torch_backend(poisoned_outputs):
+    """One shard alone (no group): the gradient of every row, and the loss of rows whose label lies in
+    [start, start + V_local), agree with the torch backend. (Rows with foreign labels hold only a partial
+    statistic until the group's all-reduce; tests/test_fusions_reference.py runs two real gloo ranks.)"""
+    logits = torch.randn(33, 500, requires_grad=True)
+    labels = torch.randint(0, 1500, (33,))
+    labels[:3] = torch.tensor([500, 999, 1000])
+    in_shard = (labels >= 500) & (labels < 1000)
+    ours = cross_entropy(logits, labels, vocab_start_index=500, backend="triton")
+    theirs = cross_entropy(logits, labels, vocab_start_index=500, backend="torch")
+    assert_close("in-shard loss", ours[in_shard], theirs[in_shard], torch.float32)
+    assert_close("sharded grad", torch.autograd.grad(ours.sum(), logits)[0],
+                 torch.autograd.grad(theirs.sum(), logits)[0], torch.float32)
+
+
+@needs_interpreter
+def test_layer_norm_backward_partial_sums_over_many_groups(poisoned_outputs):
+    """1024 rows of hidden 64: 16 row blocks, split over several programs' partial dweight/dbias rows."""
+    x, weight, bias = leaf(torch.randn(1024, 64), torch.float32), leaf(torch.randn(64), torch.float32), \
+        leaf(torch.randn(64), torch.float32)
+    compare_fwd_bwd("layer_norm", lambda *a: layer_norm(*a, backend="triton"), layer_norm_reference,
+                    [x, weight, bias], torch.float32)
+    assert any(len(shape) == 2 and shape[0] > 1 and shape[1] == 64 for shape in poisoned_outputs[3:]), \
+        f"expected several partial-sum rows among allocations {poisoned_outputs}"
+
+
+@needs_interpreter
+def test_non_contiguous_inputs_are_copied_contiguous(poisoned_outputs):
+    base = torch.randn(768, 7)
+    x = base.t()  # [7, 768], not contiguous
+    weight, bias, residual = torch.randn(768), torch.randn(768), torch.randn(768, 7).t()
+    assert_close("layer_norm", layer_norm(x, weight, bias, backend="triton"), layer_norm_reference(x, weight, bias),
+                 torch.float32)
+    assert_close("bias_gelu", bias_gelu(x, bias, backend="triton"), bias_gelu_reference(x, bias), torch.float32)
+    assert_close("bias_dropout_add", bias_dropout_add(x, bias, residual, 0.1, False, backend="triton"),
+                 residual + x + bias, torch.float32)
+    scores = torch.randn(2, 7, 3, 7).transpose(1, 2)  # [2, 3, 7, 7], not contiguous
+    assert_close("softmax", scaled_causal_softmax(scores, 0.5, backend="triton"),
+                 scaled_causal_softmax_reference(scores, 0.5), torch.float32)
+    logits, labels = torch.randn(1000, 7).t(), torch.randint(0, 1000, (7,))
+    assert_close("cross_entropy", cross_entropy(logits, labels, backend="triton"),
+                 F.cross_entropy(logits, labels, reduction="none"), torch.float32)
+
+
+@needs_interpreter
+def test_oversized_rows_are_refused_with_a_user_error():
+    x = torch.randn(1, 65537)
+    with pytest.raises(UserError, match="65536"):
+        layer_norm(x, torch.ones(65537), torch.zeros(65537), backend="triton")
+
+
+@needs_interpreter
+def test_compiled_graph_keeps_the_triton_ops_opaque():
+    """torch.compile traces through our autograd.Functions and sees the launchers as custom ops
+    (megatron_fusions::*), so the fake kernels must describe the outputs; aot_eager needs no C++ compiler."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+
+    def block(x, weight, bias, residual):
+        h = layer_norm(x, weight, bias, backend="triton")
+        h = bias_gelu(h, bias, backend="triton")
+        return bias_dropout_add(h, bias, residual, 0.1, False, backend="triton")
+
+    x, weight, bias, residual = (torch.randn(7, 64, requires_grad=True), torch.randn(64), torch.randn(64),
+                                 torch.randn(7, 64))
+    explanation = torch._dynamo.explain(block)(x, weight, bias, residual)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    eager_out = block(x, weight, bias, residual)
+    compiled_out = compiled(x, weight, bias, residual)
+    assert_close("compiled", compiled_out, eager_out, torch.float32)
+    assert_close("compiled grad", torch.autograd.grad(compiled_out.sum(), x)[0],
+                 torch.autograd.grad(eager_out.sum(), x)[0], torch.float32)
+
+
+def test_triton_cases_in_a_fresh_process():
+    if INTERPRETER_PROBLEM is None:
+        pytest.skip("this process runs the interpreter cases itself")
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
