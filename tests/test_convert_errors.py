@@ -1,0 +1,93 @@
+"""Bad input to the converters: each a clear UserError (or `error:` + exit 2 from the CLI)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_core.convert import convert_checkpoint, import_hf_model, read_checkpoint
+from megatron_core.errors import UserError
+from test_convert_fixtures import save_layout, tiny_recipe, tokenizer_files, tp1_checkpoint  # noqa: F401
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture()
+def tp2(tp1_checkpoint, tokenizer_files, tmp_path):
+    return save_layout(tmp_path / "tp2", tiny_recipe(2, 1), tp1_checkpoint[2], *tokenizer_files, tp=2, pp=1)
+
+
+def test_missing_shard(tp2):
+    shutil.rmtree(tp2 / "iter_0000010" / "mp_rank_01")
+    with pytest.raises(UserError, match=r"missing shard\(s\) \[\(1, 0\)\]"):
+        read_checkpoint(tp2)
+
+
+def test_extra_shard(tp2):
+    shutil.copytree(tp2 / "iter_0000010" / "mp_rank_01", tp2 / "iter_0000010" / "mp_rank_02")
+    with pytest.raises(UserError, match=r"extra shard\(s\) \[\(2, 0\)\]"):
+        read_checkpoint(tp2)
+
+
+def test_shards_from_different_iterations_and_runs(tp2, tp1_checkpoint, tokenizer_files, tmp_path):
+    other = save_layout(tmp_path / "other", tiny_recipe(2, 1), tp1_checkpoint[2], *tokenizer_files, tp=2, pp=1,
+                        iteration=20)
+    shard = tp2 / "iter_0000010" / "mp_rank_01"
+    shutil.rmtree(shard)
+    shutil.copytree(other / "iter_0000020" / "mp_rank_01", shard)
+    with pytest.raises(UserError, match="disagree on 'iteration'"):
+        read_checkpoint(tp2)
+    other_run = save_layout(tmp_path / "run2", tiny_recipe(2, 1, init_std=0.5), tp1_checkpoint[2], *tokenizer_files,
+                            tp=2, pp=1)
+    shutil.rmtree(shard)
+    shutil.copytree(other_run / "iter_0000010" / "mp_rank_01", shard)
+    with pytest.raises(UserError, match="disagree on 'recipe_hash'.*different runs"):
+        read_checkpoint(tp2)
+
+
+def test_not_a_checkpoint(tmp_path):
+    with pytest.raises(UserError, match="no latest_checkpointed_iteration.txt"):
+        read_checkpoint(tmp_path)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("5")
+    shard = tmp_path / "iter_0000005" / "mp_rank_00"
+    shard.mkdir(parents=True)
+    (shard / "model_optim_rng.pt").write_bytes(b"this is not a torch file")
+    with pytest.raises(UserError, match="cannot read checkpoint"):
+        read_checkpoint(tmp_path)
+    torch.save({"weights": torch.zeros(2)}, shard / "model_optim_rng.pt")
+    with pytest.raises(UserError, match="not a Megatron checkpoint"):
+        read_checkpoint(tmp_path)
+    with pytest.raises(UserError, match="no iteration 6"):
+        read_checkpoint(tmp_path, 6)
+
+
+def test_tp_that_does_not_divide(tp1_checkpoint, tmp_path):
+    convert_checkpoint(tp1_checkpoint[0], tmp_path / "hf")
+    with pytest.raises(UserError, match="attention heads 4 is not divisible by TP 3"):
+        import_hf_model(tmp_path / "hf", tmp_path / "back", tp=3)
+    with pytest.raises(UserError, match="num_layers 4 is not divisible by PP 3"):
+        import_hf_model(tmp_path / "hf", tmp_path / "back", pp=3)
+    assert not (tmp_path / "back").exists()
+
+
+def test_target_holding_a_model_is_refused_unless_overwrite(tp1_checkpoint, tmp_path):
+    out = tmp_path / "hf"
+    convert_checkpoint(tp1_checkpoint[0], out)
+    before = (out / "model.safetensors").stat().st_mtime_ns
+    with pytest.raises(UserError, match="already holds a model; pass --overwrite"):
+        convert_checkpoint(tp1_checkpoint[0], out)
+    assert (out / "model.safetensors").stat().st_mtime_ns == before
+    convert_checkpoint(tp1_checkpoint[0], out, overwrite=True, format="bin")
+    assert (out / "pytorch_model.bin").exists() and not (out / "model.safetensors").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp/old dirs left behind
+
+
+def test_cli_prints_error_and_exits_2(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "megatron_core.convert", "--load", str(tmp_path / "nope"),
+                           "--save", str(tmp_path / "hf")], capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "does not exist" in proc.stderr
+    assert not (tmp_path / "hf").exists()
