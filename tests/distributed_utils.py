@@ -3,8 +3,7 @@
     from distributed_utils import run_distributed      # tests/ is on sys.path under pytest
     results = run_distributed(my_fn, 2, arg1, arg2)   # [rank0_result, rank1_result]
 
-`fn` must be importable (a module-level function): children are started with the `spawn`
-method. Inside `fn`, torch.distributed is initialized (`dist.get_rank()`,
+`fn` must be a module-level function (importable, for the `spawn` start method). Inside `fn`, torch.distributed is initialized (`dist.get_rank()`,
 `dist.get_world_size()`), torch uses one thread, and the return value may hold tensors (it is
 sent back with torch.save). An exception on any rank is raised in the parent with that rank's
 traceback; a rank that hangs past `timeout` is killed and reported.
@@ -58,9 +57,13 @@ def _child(rank: int, world_size: int, port: int, backend: str, fn: Callable, ar
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S,
-                    backend: str = "gloo") -> list:
-    """Run `fn(*args)` on `world_size` ranks; return the list of return values by rank."""
-    ctx = mp.get_context("spawn")
+                    backend: str = "gloo", start_method: str = "fork") -> list:
+    """Run `fn(*args)` on `world_size` ranks; return the list of return values by rank.
+
+    `fork` (the default) starts ranks in milliseconds instead of re-importing torch in each
+    (seconds on a busy machine), as DataLoader workers do; pass "spawn" for code that is not
+    fork-safe (CUDA initialized in the parent)."""
+    ctx = mp.get_context(start_method)
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_child, args=(r, world_size, port, backend, fn, args, results), daemon=True)

@@ -1,0 +1,109 @@
+"""Process groups: Megatron's rank order, layout validation, single-process behaviour, a real 4-rank run."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed_utils import run_distributed
+
+from megatron_core import parallel_state as ps
+from megatron_core.errors import UserError
+
+
+def test_rank_layout_world8_tp2_pp2_is_megatron_order():
+    layout = ps.rank_layout(8, 2, 2)
+    assert layout.tensor == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout.data == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout.pipeline == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert layout.embedding == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert layout.model == [[0, 1, 4, 5], [2, 3, 6, 7]]
+
+
+@pytest.mark.parametrize("world,tp,pp", [(8, 1, 1), (8, 8, 1), (8, 1, 8), (8, 2, 4), (8, 4, 2), (16, 2, 2), (12, 2, 3)])
+def test_rank_layout_partitions_every_rank(world, tp, pp):
+    layout = ps.rank_layout(world, tp, pp)
+    dp = world // (tp * pp)
+    for groups, size in ((layout.tensor, tp), (layout.data, dp), (layout.pipeline, pp), (layout.model, tp * pp)):
+        assert sorted(r for g in groups for r in g) == list(range(world))  # a partition of the world
+        assert all(len(g) == size for g in groups)
+    for rank in range(world):  # the closed formula: rank = pp_rank * dp * tp + dp_rank * tp + tp_rank
+        tp_rank, dp_rank, pp_rank = rank % tp, (rank // tp) % dp, rank // (tp * dp)
+        assert next(g for g in layout.tensor if rank in g).index(rank) == tp_rank
+        assert next(g for g in layout.data if rank in g).index(rank) == dp_rank
+        assert next(g for g in layout.pipeline if rank in g).index(rank) == pp_rank
+    assert layout.embedding == [sorted({g[0], g[-1]}) for g in layout.pipeline]
+
+
+def test_pp3_middle_stage_is_not_in_an_embedding_group():
+    layout = ps.rank_layout(6, 2, 3)
+    assert layout.pipeline[0] == [0, 2, 4]
+    assert layout.embedding[0] == [0, 4]
+    assert all(2 not in g and 3 not in g for g in layout.embedding)
+
+
+def test_validate_layout_names_every_number_that_disagrees():
+    with pytest.raises(ps.ParallelLayoutError) as info:
+        ps.validate_layout(6, 4, 1, num_attention_heads=6, num_layers=5)
+    message = str(info.value)
+    assert "world size 6 is not divisible by tensor_model_parallel_size 4 x pipeline_model_parallel_size 1" in message
+    assert "num_attention_heads 6 is not divisible by tensor_model_parallel_size 4" in message
+    assert isinstance(info.value, UserError)
+    with pytest.raises(ps.ParallelLayoutError, match="num_layers 5 is not divisible by pipeline_model_parallel_size 2"):
+        ps.validate_layout(4, 2, 2, num_attention_heads=4, num_layers=5)
+    with pytest.raises(ps.ParallelLayoutError, match="global_batch_size 6 is not divisible by micro_batch_size 2 x "
+                                                     "data-parallel size 2"):
+        ps.validate_layout(4, 2, 1, global_batch_size=6, micro_batch_size=2)
+    with pytest.raises(ps.ParallelLayoutError, match="seq_length 9 is not divisible"):
+        ps.validate_layout(2, 2, 1, seq_length=9, sequence_parallel=True)
+    ps.validate_layout(8, 2, 2, num_attention_heads=12, num_layers=12, ffn_hidden_size=3072, padded_vocab_size=32768,
+                       seq_length=1024, sequence_parallel=True, global_batch_size=192, micro_batch_size=12)
+
+
+def test_uninitialized_is_a_single_process():
+    assert not ps.model_parallel_is_initialized()
+    assert (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()) == (1, 0)
+    assert (ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()) == (1, 0)
+    assert (ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()) == (1, 0)
+    assert ps.get_tensor_model_parallel_group() is None and ps.get_embedding_group() is None
+    assert ps.is_pipeline_first_stage() and ps.is_pipeline_last_stage()
+    ps.initialize_model_parallel(1, 1)  # allowed without torch.distributed
+    with pytest.raises(ps.ParallelLayoutError, match="needs torch.distributed"):
+        ps.initialize_model_parallel(2, 1)
+
+
+def _groups_on_four_ranks():
+    ps.initialize_model_parallel(2, 2)
+    rank = dist.get_rank()
+
+    def members(group):  # who is in my group, found by a real collective on it
+        out = [torch.zeros(1) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(out, torch.tensor([float(rank)]), group=group)
+        return [int(t.item()) for t in out]
+
+    return {
+        "tp": (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
+               members(ps.get_tensor_model_parallel_group())),
+        "dp": (ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), members(ps.get_data_parallel_group())),
+        "pp": (ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size(),
+               members(ps.get_pipeline_model_parallel_group())),
+        "model": members(ps.get_model_parallel_group()),
+        "embedding": members(ps.get_embedding_group()),
+        "first_last": (ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()),
+        "next_prev": (ps.get_pipeline_model_parallel_next_rank(), ps.get_pipeline_model_parallel_prev_rank()),
+    }
+
+
+@pytest.mark.slow
+def test_real_groups_on_four_gloo_ranks():
+    results = run_distributed(_groups_on_four_ranks, 4)
+    expected = {0: ((0, [0, 1]), (0, [0]), (0, [0, 2])), 1: ((1, [0, 1]), (0, [1]), (0, [1, 3])),
+                2: ((0, [2, 3]), (0, [2]), (1, [0, 2])), 3: ((1, [2, 3]), (0, [3]), (1, [1, 3]))}
+    for rank, got in enumerate(results):
+        (tp_rank, tp_members), (dp_rank, dp_members), (pp_rank, pp_members) = expected[rank]
+        assert got["tp"] == (tp_rank, 2, tp_members)
+        assert got["dp"] == (dp_rank, 1, dp_members)
+        assert got["pp"] == (pp_rank, 2, pp_members)
+        assert got["model"] == [0, 1, 2, 3]
+        assert got["embedding"] == pp_members
+        assert got["first_last"] == (pp_rank == 0, pp_rank == 1)
+        other = pp_members[1 - pp_rank]
+        assert got["next_prev"] == (other, other)
