@@ -1,0 +1,110 @@
+"""The HumanEval harness, tested honestly: canonical solutions pass, wrong ones fail, hostile ones
+(infinite loop, memory hog, network) fail without hurting the run; pass@k; resume from cache."""
+
+from __future__ import annotations
+
+import math
+import socket
+import threading
+
+import pytest
+
+from megatron_core.errors import UserError
+from megatron_core.evaluate import sandbox
+from megatron_core.evaluate.humaneval import (
+    HumanEvalSettings,
+    check_completion,
+    evaluate_humaneval,
+    load_problems,
+    pass_at_k,
+)
+
+
+def canonical_fn(problems):
+    by_prompt = {p["prompt"]: p["canonical_solution"] for p in problems}
+    return lambda prompt, n: [by_prompt[prompt]] * n
+
+
+def run(problems, fn, tmp_path, n=1, k=(1,), **kw):
+    settings = HumanEvalSettings(num_samples=n, k=list(k), **kw)
+    return evaluate_humaneval(fn, settings, model_hash="test", cache_dir=tmp_path, allow_code_execution=True,
+                              problems=problems)
+
+
+def test_problems_are_the_164_of_the_package():
+    problems = load_problems()
+    assert len(problems) == 164 and problems[0]["task_id"] == "HumanEval/0"
+
+
+def test_canonical_solutions_pass_and_wrong_ones_fail(tmp_path):
+    problems = load_problems(20)
+    assert run(problems, canonical_fn(problems), tmp_path / "a")["pass@1"] == 1.0
+    wrong = run(problems, lambda prompt, n: ["    return None\n"] * n, tmp_path / "b")
+    assert wrong["pass@1"] == 0.0 and set(wrong["passed_per_problem"].values()) == {0}
+
+
+@pytest.mark.slow
+def test_all_164_canonical_solutions_pass(tmp_path):
+    problems = load_problems()
+    assert run(problems, canonical_fn(problems), tmp_path)["pass@1"] == 1.0
+
+
+def test_hostile_samples_fail_without_hurting_the_run(tmp_path):
+    problem = load_problems(1)[0]
+    canonical = problem["canonical_solution"]
+    loop = check_completion(problem, "    while True:\n        pass\n", timeout_s=1.0)
+    assert loop.status == sandbox.TIMED_OUT
+    hog = check_completion(problem, "    x = bytearray(8 << 30)\n    return True\n", memory_mb=512)
+    assert hog.status == sandbox.FAILED and "MemoryError" in hog.detail
+    # a listening socket here: the sample must not reach it
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+    reached = []
+    threading.Thread(target=lambda: reached.append(server.accept()), daemon=True).start()
+    net = check_completion(problem, f"    import socket\n    socket.create_connection(('127.0.0.1', {port}))\n"
+                                    f"{canonical}")
+    server.close()
+    assert net.status == sandbox.FAILED and not reached
+    # the same sample set mixed: only the honest one counts, the run finishes
+    samples = [canonical, "    while True:\n        pass\n", "    x = bytearray(8 << 30)\n"]
+    result = run([problem], lambda prompt, n: samples, tmp_path, n=3, k=(1, 2), timeout_s=1.0, memory_mb=512)
+    assert result["passed_per_problem"] == {problem["task_id"]: 1} and result["timed_out"] == 1
+    assert math.isclose(result["pass@1"], 1 / 3) and math.isclose(result["pass@2"], 2 / 3)
+
+
+def test_code_runs_only_when_allowed(tmp_path):
+    calls = []
+    with pytest.raises(UserError, match="allow_code_execution"):
+        evaluate_humaneval(lambda p, n: calls.append(p) or [""], HumanEvalSettings(num_samples=1), model_hash="x",
+                           cache_dir=tmp_path)
+    assert not calls
+
+
+def test_pass_at_k_is_the_unbiased_estimator():
+    for n, c, k in [(10, 3, 1), (10, 3, 5), (200, 7, 100), (5, 0, 2), (5, 5, 3), (20, 15, 10)]:
+        expected = 1.0 - math.comb(n - c, k) / math.comb(n, k)
+        assert math.isclose(pass_at_k(n, c, k), expected, rel_tol=1e-9, abs_tol=1e-12)
+
+
+def test_interrupted_evaluation_resumes_from_cache(tmp_path):
+    problems = load_problems(4)
+    base = canonical_fn(problems)
+    seen = []
+
+    def crashing(prompt, n):
+        if len(seen) == 2:
+            raise KeyboardInterrupt
+        seen.append(prompt)
+        return base(prompt, n)
+
+    with pytest.raises(KeyboardInterrupt):
+        run(problems, crashing, tmp_path)
+    resumed = []
+    result = run(problems, lambda p, n: resumed.append(p) or base(p, n), tmp_path)
+    assert resumed == [p["prompt"] for p in problems[2:]] and result["pass@1"] == 1.0
+    # other settings are another cache entry
+    other = []
+    run(problems[:1], lambda p, n: other.append(p) or base(p, n), tmp_path, temperature=0.8)
+    assert len(other) == 1
