@@ -79,7 +79,7 @@ def _hf_documents(source: dict) -> Iterator[dict]:
     key, split, revision = source.get("key", "content"), source.get("split", "train"), source.get("revision")
     local = Path(name)
     try:
-        if (local / "dataset_info.json").exists() or (local / "state.json").exists():
+        if any((local / marker).exists() for marker in ("dataset_dict.json", "dataset_info.json", "state.json")):
             ds = datasets.load_from_disk(str(local))
             if isinstance(ds, datasets.DatasetDict):
                 ds = ds[split]
