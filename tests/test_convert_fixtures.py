@@ -34,7 +34,8 @@ def write_tokenizer(out: Path, vocab_size: int = 300) -> tuple[Path, Path]:
     return out / "vocab.json", out / "merges.txt"
 
 
-def tiny_recipe(tp: int = 1, pp: int = 1, untie: bool = False, gelu_tanh: bool = True, init_std: float = 0.02):
+def tiny_recipe(tp: int = 1, pp: int = 1, untie: bool = False, gelu_tanh: bool = True, init_std: float = 0.02,
+                **sections):
     return recipe_from_dict({
         "name": "convert-test", "version": 3,
         "model": {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32,
@@ -43,6 +44,7 @@ def tiny_recipe(tp: int = 1, pp: int = 1, untie: bool = False, gelu_tanh: bool =
                   "init_method_std": init_std},
         "parallel": {"world_size": tp * pp, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp},
         "tokenizer": {"vocab_size": 300},
+        **sections,
     })
 
 

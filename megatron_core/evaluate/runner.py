@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Optional, Union
 
@@ -54,6 +56,22 @@ def _tokenizer_from_dir(path: Path):
     return GPT2TokenizerFast.from_pretrained(str(path))
 
 
+def _tokenizer_for_checkpoint(path: Path):
+    """The files the checkpoint's args name (training records them), else ones beside it."""
+    from megatron_core.convert.shards import find_shard_files, load_shard_file, resolve_iteration_dir
+
+    if (path / "vocab.json").exists():
+        return _tokenizer_from_dir(path)
+    args = load_shard_file(next(iter(find_shard_files(resolve_iteration_dir(path)[0]).values()))).get("args")
+    vocab, merges = getattr(args, "vocab_file", None), getattr(args, "merge_file", None)
+    if not (vocab and merges and Path(vocab).is_file() and Path(merges).is_file()):
+        raise UserError(f"the checkpoint {path} names no readable vocab/merge files; pass tokenizer=<HF tokenizer>")
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copyfile(vocab, Path(tmp) / "vocab.json")
+        shutil.copyfile(merges, Path(tmp) / "merges.txt")
+        return _tokenizer_from_dir(Path(tmp))
+
+
 def load_for_evaluation(model, tokenizer=None, attn_implementation: str = "sdpa") -> LoadedModel:
     if isinstance(model, torch.nn.Module):
         if tokenizer is None:
@@ -67,7 +85,7 @@ def load_for_evaluation(model, tokenizer=None, attn_implementation: str = "sdpa"
         from megatron_core.convert.load import load_megatron_model
 
         ours = load_megatron_model(path)
-        tok = tokenizer or _tokenizer_from_dir(path)
+        tok = tokenizer or _tokenizer_for_checkpoint(path)
         return LoadedModel(ours, tok, f"{ours.recipe_hash}-it{ours.iteration}-{_module_hash(ours)}",
                            ours.shape.max_position_embeddings, f"GPTModel from {path}")
     if (path / "config.json").exists():
