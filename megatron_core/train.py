@@ -174,14 +174,21 @@ def train(recipe: Recipe, run_dir, data_prefix, tokenizer_files=None, load=None,
     fusions = resolve_backends(t.fusions, t.fusion_overrides, device)
     model = build_model(recipe, padded_vocab, device, dtype, fusions)
     inner_model = model
-    if ps.get_data_parallel_world_size() > 1:
-        model = DistributedDataParallel(model, p)
     fused_adam = fused_adam_class() if device.type == "cuda" else None
     scaler = (DynamicGradScaler(t.initial_loss_scale, t.min_loss_scale, 2.0, 0.5, t.loss_scale_window, t.hysteresis)
               if precision == "fp16" else ConstantGradScaler())
-    optimizer = MegatronOptimizer(inner_model, AdamSettings(t.lr, t.weight_decay, t.adam_beta1, t.adam_beta2, t.adam_eps),
-                                  precision=precision, clip_grad=t.clip_grad, grad_scaler=scaler, device=device,
-                                  fused_adam_cls=fused_adam)
+    settings = AdamSettings(t.lr, t.weight_decay, t.adam_beta1, t.adam_beta2, t.adam_eps)
+    if p.use_distributed_optimizer:
+        from megatron_core.distributed.distributed_optimizer import DistributedOptimizer
+
+        model = DistributedDataParallel(model, p, reduce_kind="reduce_scatter")
+        optimizer = DistributedOptimizer(model, settings, precision=precision, clip_grad=t.clip_grad,
+                                         grad_scaler=scaler, device=device, fused_adam_cls=fused_adam)
+    else:
+        if ps.get_data_parallel_world_size() > 1:
+            model = DistributedDataParallel(model, p)
+        optimizer = MegatronOptimizer(inner_model, settings, precision=precision, clip_grad=t.clip_grad,
+                                      grad_scaler=scaler, device=device, fused_adam_cls=fused_adam)
     logger = RunLogger(run_dir, writer=_is_log_writer())
     if datasets is None:
         datasets = build_datasets(recipe, data_prefix, run_dir / "index-cache")

@@ -254,3 +254,30 @@ def test_save_killed_midway_leaves_previous_checkpoint_loadable(reference, tmp_p
                          recipe=tiny_recipe(f"train_iters={ITERS}"), consumed_train_samples=48)
     assert ckpt.read_tracker(save) == 12 and not list(save.glob("*.tmp"))
     assert ckpt.load_latest(save)[1]["consumed_train_samples"] == 48
+
+
+# -- the distributed optimizer's shards (DP 2, gloo) -------------------------------------------------
+
+def _dp2_train(run_dir: str, corpus: str, iters: int) -> dict:
+    from megatron_core import parallel_state as ps
+
+    recipe = tiny_recipe(f"train_iters={iters}", f"lr_decay_iters={ITERS}", "world_size=2",
+                         "use_distributed_optimizer=true", "save_interval=4", "eval_iters=0")
+    try:
+        train(recipe, run_dir, corpus, vocab_size=VOCAB_SIZE)
+    finally:
+        ps.destroy_model_parallel()
+    return train_losses(read_metrics(Path(run_dir))) if (Path(run_dir) / "metrics.jsonl").exists() else {}
+
+
+def test_distributed_optimizer_shards_saved_beside_and_resumed_exactly(corpus, tmp_path):
+    from distributed_utils import run_distributed
+
+    full = run_distributed(_dp2_train, 2, str(tmp_path / "full"), corpus, 8)[0]
+    shard_file = tmp_path / "full" / "checkpoints" / "iter_0000004" / "mp_rank_00" / ckpt.DISTRIB_OPTIM_FILENAME
+    shards = ckpt.load_checkpoint_file(shard_file)
+    assert set(shards) == {"param_state", "step"} and shards["step"] == 4
+    _checkpoint_copy(tmp_path / "full", tmp_path / "resumed", 4)
+    resumed = run_distributed(_dp2_train, 2, str(tmp_path / "resumed"), corpus, 8)[0]
+    assert {k: v for k, v in resumed.items() if k > 4} == {k: v for k, v in full.items() if k > 4}
+    assert min(resumed) == 5

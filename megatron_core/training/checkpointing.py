@@ -28,6 +28,7 @@ from megatron_core.errors import UserError
 CHECKPOINT_VERSION = 3.0
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 MODEL_FILENAME = "model_optim_rng.pt"
+DISTRIB_OPTIM_FILENAME = "distrib_optim.pt"  # the distributed optimizer's gathered shards, beside the model file
 
 # What our checkpoint files hold beyond tensors and plain containers.
 SAFE_GLOBALS = [argparse.Namespace]
@@ -253,6 +254,10 @@ def save_checkpoint(save, iteration: int, *, model_state: dict, args: argparse.N
     if is_global_zero:
         shutil.rmtree(tmp_dir, ignore_errors=True)  # leftovers of a save killed midway
     _barrier()
+    # The distributed optimizer gathers its shards to DP rank 0 (collective: every DP rank joins).
+    sharded = None
+    if save_optim and optimizer is not None and hasattr(optimizer, "sharded_state_dict"):
+        sharded = optimizer.sharded_state_dict()
     if parallel_state.get_data_parallel_rank() == 0:
         state = {
             "args": args,
@@ -270,7 +275,10 @@ def save_checkpoint(save, iteration: int, *, model_state: dict, args: argparse.N
             state["opt_param_scheduler"] = scheduler.state_dict()
         if extra:
             state.update(extra)
-        _atomic_torch_save(state, _my_rank_file(save, iteration, tmp=True))
+        rank_file = _my_rank_file(save, iteration, tmp=True)
+        if sharded is not None:
+            _atomic_torch_save(sharded, rank_file.with_name(DISTRIB_OPTIM_FILENAME))
+        _atomic_torch_save(state, rank_file)
     _barrier()
     if is_global_zero:
         if final_dir.exists():  # re-saving an iteration: move the old one aside, then drop it
@@ -317,3 +325,8 @@ def load_latest(load, *, required: bool = False) -> Optional[tuple[int, dict]]:
         return None
     path = _my_rank_file(load, iteration)
     return iteration, load_checkpoint_file(path)
+
+
+def load_distributed_optimizer_file(load, iteration: int) -> dict:
+    """This (TP, PP) rank's distrib_optim.pt (every DP rank reads it and takes its own slice)."""
+    return load_checkpoint_file(_my_rank_file(Path(load), iteration).with_name(DISTRIB_OPTIM_FILENAME))

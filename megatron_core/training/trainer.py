@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -51,7 +51,6 @@ class TrainState:
     skipped_iterations: int = 0
     nan_iterations: int = 0
     # Since the last log line (Megatron averages the loss over the log interval).
-    interval_losses: list = field(default_factory=list)
     interval_start: float = 0.0
     interval_iterations: int = 0
 
@@ -105,6 +104,8 @@ class Trainer:
         self._unwrapped().load_state_dict(ckpt.flatten_model_state(state["model"]))
         if "optimizer" in state and "opt_param_scheduler" in state:
             self.optimizer.load_state_dict(state["optimizer"])
+            if hasattr(self.optimizer, "load_sharded_state_dict"):
+                self.optimizer.load_sharded_state_dict(ckpt.load_distributed_optimizer_file(self.load_dir, iteration))
             self.scheduler.load_state_dict(state["opt_param_scheduler"])
         else:
             self.logger.info("checkpoint has no optimizer state (--no-save-optim): optimizer and LR restart; "
