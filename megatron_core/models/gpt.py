@@ -37,9 +37,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_core import fusions as kernels
 from megatron_core import parallel_state
 from megatron_core.config import ModelConfig, ParallelConfig
 from megatron_core.errors import UserError
+from megatron_core.fusions import FusionBackends
 from megatron_core.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -56,56 +58,42 @@ from megatron_core.tensor_parallel import (
 )
 
 # ----------------------------------------------------------------------------------------------
-# Element-wise ops: the fused kernels when a FusionBackends is given, else plain PyTorch
+# Element-wise ops through megatron_core.fusions
 # ----------------------------------------------------------------------------------------------
 
 
 class ElementwiseOps:
-    """The handful of element-wise steps that have fused kernels, chosen once per model."""
+    """The element-wise steps that have fused kernels, with the backends chosen once per run
+    (`resolve_backends(...)`; None means the PyTorch references of megatron_core.fusions)."""
 
-    def __init__(self, gelu_approximation: str, fusions=None) -> None:
+    def __init__(self, gelu_approximation: str, fusions: Optional[FusionBackends] = None) -> None:
         self.gelu_approximation = gelu_approximation
-        self.fusions = fusions
-        if fusions is not None:
-            from megatron_core import fusions as kernels  # only when asked for: no import cost otherwise
-
-            self._kernels = kernels
-        # The fused bias-GeLU is the tanh approximation; the exact erf GeLU always runs in PyTorch.
-        self.fused_gelu = fusions is not None and gelu_approximation == "tanh"
+        self.backends = fusions if fusions is not None else FusionBackends()
+        # The fused bias-GeLU is the tanh approximation; the exact erf GeLU runs in plain PyTorch.
+        self.fused_gelu = gelu_approximation == "tanh"
 
     def describe(self) -> str:
-        gelu = f"gelu[{self.gelu_approximation}]"
-        if self.fusions is None:
-            return f"elementwise ops: torch (layer_norm, {gelu}, bias_dropout_add, softmax, cross_entropy)"
-        f = self.fusions
-        return (f"elementwise ops: layer_norm={f.layer_norm}, {gelu}={f.bias_gelu if self.fused_gelu else 'torch'}, "
-                f"bias_dropout_add={f.bias_dropout_add}, softmax={f.softmax}, cross_entropy={f.cross_entropy}")
+        b = self.backends
+        gelu = b.bias_gelu if self.fused_gelu else "torch (exact erf)"
+        return (f"layer_norm={b.layer_norm}, bias_gelu[{self.gelu_approximation}]={gelu}, "
+                f"bias_dropout_add={b.bias_dropout_add}, softmax={b.softmax}, cross_entropy={b.cross_entropy}")
 
     def layer_norm(self, x, weight, bias, eps):
-        if self.fusions is None:
-            return F.layer_norm(x, (x.size(-1),), weight, bias, eps)
-        return self._kernels.layer_norm(x, weight, bias, eps, backend=self.fusions.layer_norm)
+        return kernels.layer_norm(x, weight, bias, eps, backend=self.backends.layer_norm)
 
     def bias_gelu(self, x, bias):
         if self.fused_gelu:
-            return self._kernels.bias_gelu(x, bias, backend=self.fusions.bias_gelu)
-        return F.gelu(x + bias, approximate=self.gelu_approximation)
+            return kernels.bias_gelu(x, bias, backend=self.backends.bias_gelu)
+        return F.gelu(x + bias, approximate="none")
 
     def bias_dropout_add(self, x, bias, residual, p: float, training: bool):
-        if self.fusions is None:
-            return residual + F.dropout(x + bias, p=p, training=training)
-        return self._kernels.bias_dropout_add(x, bias, residual, p, training, backend=self.fusions.bias_dropout_add)
+        return kernels.bias_dropout_add(x, bias, residual, p, training, backend=self.backends.bias_dropout_add)
 
     def scaled_causal_softmax(self, scores, scale: float):
-        if self.fusions is None:
-            s = scores.size(-1)
-            future = torch.ones(s, s, dtype=torch.bool, device=scores.device).triu_(1)
-            return torch.softmax((scores * scale).masked_fill(future, float("-inf")), dim=-1)
-        return self._kernels.scaled_causal_softmax(scores, scale, backend=self.fusions.softmax)
+        return kernels.scaled_causal_softmax(scores, scale, backend=self.backends.softmax)
 
     def cross_entropy(self, vocab_parallel_logits, labels):
-        backend = self.fusions.cross_entropy if self.fusions is not None else "torch"
-        return vocab_parallel_cross_entropy(vocab_parallel_logits, labels, backend=backend)
+        return vocab_parallel_cross_entropy(vocab_parallel_logits, labels, backend=self.backends.cross_entropy)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -143,7 +131,9 @@ class Embedding(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.dropout = config.hidden_dropout
         self.word_embeddings = VocabParallelEmbedding(padded_vocab_size, h, reduce_scatter_output=sequence_parallel)
-        self.position_embeddings = nn.Embedding(config.max_position_embeddings, h)
+        # Given an (uninitialized) weight, nn.Embedding skips its own init: initialize_parameters does it.
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, h,
+                                                _weight=torch.empty(config.max_position_embeddings, h))
 
     def forward(self, input_ids, position_ids):
         # [b, s] ids -> [s, b, h]: transpose the (small) ids, not the activations.
@@ -290,7 +280,7 @@ class GPTModel(nn.Module):
 
     def __init__(self, config: ModelConfig, parallel: ParallelConfig, padded_vocab_size: int, *,
                  pre_process: Optional[bool] = None, post_process: Optional[bool] = None,
-                 layer_offset: Optional[int] = None, fusions=None, init_seed: Optional[int] = None) -> None:
+                 layer_offset: Optional[int] = None, fusions: Optional[FusionBackends] = None, init_seed: Optional[int] = None) -> None:
         super().__init__()
         _check_layout(config, parallel, padded_vocab_size)
         pp = parallel.pipeline_model_parallel_size
