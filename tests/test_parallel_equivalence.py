@@ -116,7 +116,8 @@ def build(recipe: Recipe):
 
 
 def fit(recipe: Recipe, run_dir: Path, save: Optional[Path] = None, load: Optional[Path] = None):
-    """Train with the real loop; returns (GPTModel, optimizer, losses by iteration on the writer rank)."""
+    """Train with the real loop; returns (model as the loop saw it, GPTModel, optimizer, losses by
+    iteration on the log-writing rank, else None)."""
     from megatron_core.training.trainer import Trainer, _is_log_writer
 
     model, module, optimizer = build(recipe)
@@ -125,7 +126,7 @@ def fit(recipe: Recipe, run_dir: Path, save: Optional[Path] = None, load: Option
                       optimizer=optimizer, device=torch.device("cpu"), save=save, load=load, logger=logger)
     trainer.fit()
     losses = {m["iteration"]: m["lm_loss"] for m in read_metrics(run_dir) if m["type"] == "train"}
-    return module, optimizer, (losses if logger.writer else None)
+    return model, module, optimizer, (losses if logger.writer else None)
 
 
 def rank_params(module: GPTModel) -> dict:
@@ -148,7 +149,7 @@ def train_layout(layout: Layout, run_root: str) -> dict:
     """Train ITERATIONS iterations of `layout` on this rank; tear the groups down afterwards."""
     try:
         run_dir = Path(run_root) / layout.name.replace(" ", "_")
-        module, _, losses = fit(make_recipe(layout), run_dir)
+        _, module, _, losses = fit(make_recipe(layout), run_dir)
         return rank_summary(layout, module, losses)
     finally:
         ps.destroy_model_parallel()
@@ -217,7 +218,7 @@ def train_interrupted(layout: Layout, run_root: str, stop_at: int) -> dict:
     finally:
         ps.destroy_model_parallel()
     try:
-        module, _, losses = fit(make_recipe(layout), root / "second", save=save, load=save)
+        _, module, _, losses = fit(make_recipe(layout), root / "second", save=save, load=save)
         return rank_summary(layout, module, losses)
     finally:
         ps.destroy_model_parallel()
@@ -248,6 +249,7 @@ TWO_RANK_LAYOUTS = [
 TP2_PP2 = Layout("TP2xPP2", tp=2, pp=2)
 FOUR_RANK_LAYOUTS = [
     TP2_PP2,
+    Layout("TP2xPP2 SP", tp=2, pp=2, sequence_parallel=True),  # p2p tensors are [s/tp, b, h]
     Layout("DP2xTP2", tp=2, dp=2),
     Layout("PP4", pp=4, micro_batch_size=2),  # M = 4
     Layout("PP4 2 micro batches", pp=4, micro_batch_size=4),  # M < pp - 1
