@@ -82,3 +82,35 @@ def test_impossible_launch_flags_are_refused(kwargs, message):
     nproc = kwargs.pop("nproc")
     with pytest.raises(LaunchError, match=message):
         torchrun_command("smoke", [], nproc, **kwargs)
+
+
+def test_slurm_template_starts_one_invoke_train_per_node(tmp_path):
+    """ci/slurm/train.sbatch under stand-in srun/scontrol/invoke: data steps once, then one
+    `invoke train` per node with its node rank and the first node as master."""
+    from pathlib import Path
+
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
+    bin_dir.mkdir()
+    fakes = {
+        "scontrol": 'printf "gpu-a\\ngpu-b\\n"',
+        "invoke": f'echo "invoke $* | node=${{SLURM_NODEID:-?}}" >> {log}',
+        # srun: the preprocess step once; the train step once per node with SLURM_NODEID set.
+        "srun": 'if [ "$1" = "--nodes=1" ]; then shift 2; "$@"; else shift;'
+                ' for n in $(seq 0 $((SLURM_NNODES - 1))); do SLURM_NODEID=$n "$@"; done; fi',
+    }
+    for name, body in fakes.items():
+        path = bin_dir / name
+        path.write_text(f"#!/bin/bash\n{body}\n")
+        path.chmod(0o755)
+    script = Path(__file__).resolve().parent.parent / "ci" / "slurm" / "train.sbatch"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu-[a-b]",
+           "SLURM_NNODES": "2", "SLURM_JOB_ID": "12345", "WORKDIR": str(tmp_path / "work")}
+    done = subprocess.run(["bash", str(script), "codeparrot-small-8gpu", "--set", "lr=1e-4"], env=env,
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    calls = log.read_text().splitlines()
+    assert len(calls) == 3 and calls[0].startswith("invoke preprocess --recipe codeparrot-small-8gpu")
+    for node, call in enumerate(calls[1:]):
+        assert call.startswith("invoke train --recipe codeparrot-small-8gpu")
+        assert (f"--nproc 8 --nnodes 2 --node-rank {node} --master-addr gpu-a --master-port 32345 --set lr=1e-4"
+                in call), call
