@@ -19,8 +19,10 @@ _INT32_LIMIT = 2**31 - 1
 def _kept(seed_ptr, offsets, p, WIDE_OFFSETS: tl.constexpr):
     seed = tl.load(seed_ptr)
     if WIDE_OFFSETS:
-        return tl.rand(seed, offsets) >= p
-    return tl.rand(seed, offsets.to(tl.int32)) >= p  # 32-bit Philox counters: cheaper, enough below 2**31
+        uniform = tl.rand(seed, offsets)
+    else:
+        uniform = tl.rand(seed, offsets.to(tl.int32))  # 32-bit Philox counters: cheaper, enough below 2**31
+    return uniform >= p
 
 
 @triton.jit
