@@ -13,7 +13,7 @@ from torch.testing import assert_close
 from megatron_core import parallel_state as ps
 from megatron_core.config import ModelConfig, ParallelConfig, load_recipe
 from megatron_core.models import GPTModel
-from megatron_core.tensor_parallel import model_parallel_manual_seed
+from megatron_core.tensor_parallel import initialize_parameter, model_parallel_manual_seed, normal_init
 
 VOCAB = 256
 SEED = 1234
@@ -137,11 +137,21 @@ def test_pipeline_stages_chained_by_hand_equal_the_whole_model():
             assert_close(grad, want[stage.global_parameter_name(name)], msg=name)
 
 
+def _randomize_biases_and_norms(model):
+    """Megatron's zero biases and unit norms would hide a bias added before the reduce: draw them
+    (layout-independently, keyed by the global name) so every parameter matters."""
+    for name, param in model.named_parameters():
+        if name.endswith(".bias") or "layernorm" in name:
+            seed = sum(map(ord, model.global_parameter_name(name)))
+            initialize_parameter(param, normal_init(0.5), torch.Generator().manual_seed(seed))
+
+
 def _tp_run(sequence_parallel):
     ps.initialize_model_parallel(2, 1)
     cfg = tiny_config()
     par = ParallelConfig(world_size=2, tensor_model_parallel_size=2, sequence_parallel=sequence_parallel)
     model = GPTModel(cfg, par, VOCAB, init_seed=SEED)
+    _randomize_biases_and_norms(model)
     ids, pos, labels = batch()
     loss = model(ids, pos, labels)
     loss.mean().backward()
@@ -163,6 +173,7 @@ def _tp_run(sequence_parallel):
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2+sp"])
 def test_tensor_parallel_model_equals_single_process(sequence_parallel):
     reference = GPTModel(tiny_config(), ParallelConfig(), VOCAB, init_seed=SEED)
+    _randomize_biases_and_norms(reference)
     ids, pos, labels = batch()
     ref_loss = reference(ids, pos, labels)
     ref_loss.mean().backward()
@@ -203,3 +214,29 @@ def test_recompute_gives_identical_results_and_saves_memory(granularity):
     for name, grad in grads.items():
         assert torch.equal(r_grads[name], grad), name
     assert r_saved < saved, (granularity, r_saved, saved)
+
+
+def _tp_recompute_with_dropout():
+    ps.initialize_model_parallel(2, 1)
+    results = {}
+    for granularity in (None, "full", "selective"):
+        cfg = tiny_config(hidden_dropout=0.1, attention_dropout=0.1)
+        par = ParallelConfig(world_size=2, tensor_model_parallel_size=2, sequence_parallel=True,
+                             recompute_granularity=granularity)
+        model = GPTModel(cfg, par, VOCAB, init_seed=SEED)
+        model_parallel_manual_seed(SEED)
+        ids, pos, labels = batch()
+        loss = model(ids, pos, labels)
+        loss.mean().backward()
+        results[granularity] = (loss.detach(), _grads(model))
+    return results
+
+
+@pytest.mark.slow
+def test_recompute_under_tp_and_sp_replays_the_tracker_dropout_masks():
+    for results in run_distributed(_tp_recompute_with_dropout, 2):
+        loss, grads = results[None]
+        for granularity in ("full", "selective"):
+            r_loss, r_grads = results[granularity]
+            assert torch.equal(r_loss, loss), granularity
+            assert all(torch.equal(r_grads[name], grad) for name, grad in grads.items()), granularity
