@@ -1,9 +1,23 @@
-"""Megatron layout <-> Hugging Face GPT2: convert, import back, and load our own model merged."""
+"""Megatron layout <-> Hugging Face GPT2: convert, import back, and load our own model merged.
 
-from megatron_core.convert.hf_to_megatron import import_hf_model
-from megatron_core.convert.load import MegatronCausalLM, load_megatron_model
-from megatron_core.convert.megatron_to_hf import convert_checkpoint
-from megatron_core.convert.shards import MergedCheckpoint, ModelShape, read_checkpoint
+Names are imported lazily, so `python -m megatron_core.convert.hf_to_megatron` runs its module once.
+"""
 
-__all__ = ["convert_checkpoint", "import_hf_model", "load_megatron_model", "MegatronCausalLM", "read_checkpoint",
-           "MergedCheckpoint", "ModelShape"]
+import importlib
+
+_EXPORTS = {
+    "convert_checkpoint": "megatron_core.convert.megatron_to_hf",
+    "import_hf_model": "megatron_core.convert.hf_to_megatron",
+    "load_megatron_model": "megatron_core.convert.load",
+    "MegatronCausalLM": "megatron_core.convert.load",
+    "read_checkpoint": "megatron_core.convert.shards",
+    "MergedCheckpoint": "megatron_core.convert.shards",
+    "ModelShape": "megatron_core.convert.shards",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'megatron_core.convert' has no attribute {name!r}")
