@@ -33,11 +33,12 @@ def _hf(directory):
 
 def _random_texts(seed=0, n=300):
     rng = random.Random(seed)
-    alphabet = list("abcXYZ019 _-+*/=()[]{}:;,.'\"#\\\t\n\r") + ["  ", "    ", "\n\n", " \n", "é", "ß", "日本", "🙂", "\u00a0", "\u2003", "'s", "'ll", "\x00", "\ufeff"]
+    alphabet = list("abcXYZ019 _-+*/=()[]{}:;,.'\"#\\\t\n\r") + ["  ", "    ", "\n\n", " \n", "é", "ß", "日本", "🙂", "\u00a0", "\u2003", "'s", "'ll", "'re", "\x00", "\ufeff", "\x0b", "\x0c", "\x1c", "\x1f", "\x85"]
     texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 80))) for _ in range(n)]
     texts += ["".join(chr(rng.randint(1, 0x2FFFF)) for _ in range(rng.randint(1, 30))) for _ in range(100)]
     texts = [t.encode("utf-8", "replace").decode("utf-8", "replace") for t in texts]
-    return texts + ["", " ", "   \n\t  \n", "x" * 5000, " " * 1000 + "y", "def f():\n\treturn 1\n" * 50]
+    ascii_only = [t.encode("ascii", "ignore").decode() for t in texts[:200]]  # the ASCII fast path
+    return texts + ascii_only + ["", " ", "   \n\t  \n", "x" * 5000, " " * 1000 + "y", "def f():\n\treturn 1\n" * 50]
 
 
 def _fixture_texts():

@@ -19,6 +19,7 @@ import gzip
 import json
 import multiprocessing
 import os
+import resource
 import sys
 import time
 from dataclasses import dataclass
@@ -238,6 +239,11 @@ class _Progress:
         )
 
 
+def _cpu_seconds() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 def preprocess(args: argparse.Namespace) -> dict:
     """Run the preprocessing described by args (see build_parser); returns a summary dict."""
     if args.tokenizer_type != "GPT2BPETokenizer":
@@ -257,6 +263,7 @@ def preprocess(args: argparse.Namespace) -> dict:
     prefixes = {key: f"{args.output_prefix}_{key}_{level}" for key in args.json_keys}
     builders = {key: IndexedDatasetBuilder(f"{p}.bin", dtype=dtype, impl=args.dataset_impl) for key, p in prefixes.items()}
     progress = _Progress(args.log_interval)
+    cpu_start = _cpu_seconds()
     empty = {key: 0 for key in args.json_keys}
     bad_lines = 0
     pool = None
@@ -298,6 +305,7 @@ def preprocess(args: argparse.Namespace) -> dict:
             pool.terminate()
             pool.join()
     seconds = time.perf_counter() - progress.start
+    cpu = _cpu_seconds() - cpu_start
     _log(progress.line())
     summary = {
         "documents": progress.documents,
@@ -311,6 +319,10 @@ def preprocess(args: argparse.Namespace) -> dict:
         "tokens_per_s": round(progress.tokens / seconds, 1),
         "documents_per_s": round(progress.documents / seconds, 1),
         "workers": args.workers,
+        # CPU time of this process and its (joined) workers: on a shared machine MB per CPU
+        # second says more about the code than wall-clock MB/s.
+        "cpu_seconds": round(cpu, 3),
+        "mb_per_cpu_s": round(progress.bytes / max(cpu, 1e-9) / 1e6, 3),
         "tokenizer_engine": engine,
         "dtype": str(dtype),
         "dataset_impl": args.dataset_impl,
