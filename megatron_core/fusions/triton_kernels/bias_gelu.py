@@ -18,7 +18,9 @@ _GELU_CUBIC = 0.044715
 
 @triton.jit
 def _tanh(u):
-    # tanh via the logistic function: exact in the limits, and tl has no portable tanh across backends.
+    # tanh via the logistic function (tl has no portable tanh across backends); |u| <= 15 already gives
+    # tanh = +-1 in fp32, and the clamp keeps exp from overflowing.
+    u = tl.minimum(tl.maximum(u, -15.0), 15.0)
     return 2.0 * tl.sigmoid(2.0 * u) - 1.0
 
 
