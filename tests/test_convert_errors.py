@@ -91,3 +91,21 @@ def test_cli_prints_error_and_exits_2(tmp_path):
                            "--save", str(tmp_path / "hf")], capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "does not exist" in proc.stderr
     assert not (tmp_path / "hf").exists()
+
+
+def test_mixed_shards_of_a_legacy_checkpoint_without_recipe_hash(tp1_checkpoint, tokenizer_files, tmp_path):
+    """No recipe_hash to compare (Megatron-LM's own checkpoints): the replicated norms still tell."""
+    from megatron_core.training.checkpointing import load_checkpoint_file
+
+    a = save_layout(tmp_path / "a", tiny_recipe(2, 1), tp1_checkpoint[2], *tokenizer_files, tp=2, pp=1)
+    other_state = {k: v + 1.0 for k, v in tp1_checkpoint[2].items()}
+    b = save_layout(tmp_path / "b", tiny_recipe(2, 1), other_state, *tokenizer_files, tp=2, pp=1)
+    for ckpt in (a, b):
+        for path in ckpt.glob("iter_*/*/model_optim_rng.pt"):
+            obj = load_checkpoint_file(path)
+            del obj["recipe_hash"], obj["recipe"]
+            torch.save(obj, path)
+    rel = "iter_0000010/mp_rank_01/model_optim_rng.pt"
+    shutil.copyfile(b / rel, a / rel)
+    with pytest.raises(UserError, match="different copies of the replicated .*different runs"):
+        read_checkpoint(a)

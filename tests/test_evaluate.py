@@ -120,3 +120,22 @@ def test_stop_sequences_and_eos_end_a_sample():
                    decode=lambda t: "".join(text[i] for i in t))
     assert out == [[5, 6, 7]]
     assert generate(model_fn, [0], SamplingConfig(max_new_tokens=5, eos_token_id=7)) == [[5, 6]]
+
+
+def test_cli_writes_results(eval_setup, tmp_path, capsys):
+    import json
+
+    import yaml
+
+    from megatron_core.evaluate.__main__ import main
+
+    recipe, _, hf_dir, root = eval_setup
+    recipe_file = tmp_path / "recipe.yaml"
+    recipe_file.write_text(yaml.safe_dump(recipe.to_dict()))
+    base = ["--recipe", str(recipe_file), "--model", str(hf_dir), "--workdir", str(root)]
+    assert main(base + ["--out", str(tmp_path / "ev"), "--max-batches", "1"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(summary) == {"valid_ppl", "test_ppl"} and summary["valid_ppl"] > 1
+    assert (tmp_path / "ev" / "evaluation.json").exists() and (tmp_path / "ev" / "evaluation.md").exists()
+    assert main(base + ["--humaneval", "--no-perplexity"]) == 2
+    assert capsys.readouterr().err.startswith("error: HumanEval runs model-written code")

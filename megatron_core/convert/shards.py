@@ -304,6 +304,9 @@ def _merge(stage_states: dict, version: float, shape: ModelShape, tp: int, pp: i
             dim = tp_partition_dim(name)
             if dim is None:
                 full = parts[0]
+                if any(not torch.equal(full, p) for p in parts[1:]):  # replicated weights are bitwise equal
+                    raise UserError(f"stage {stage}: the TP ranks hold different copies of the replicated {name}; "
+                                    "shards from different runs or iterations are mixed: copy one checkpoint's shards")
             else:
                 full = torch.cat(parts, dim=dim) if tp > 1 else parts[0]
             match = _LAYER_KEY.match(name)
