@@ -192,3 +192,25 @@ def test_failure_after_output_started_leaves_nothing(tmp_path, capsys):
     # Thousands of good documents are written before the bad one is met.
     path = _corpus(tmp_path, GOOD * 10 + [json.dumps({"content": None})])
     _assert_fails_cleanly(tmp_path, capsys, _cli(tmp_path, [path], "--workers", "2"), r"line 3001: key 'content' holds a NoneType")
+
+
+def test_workers_read_ahead_a_bounded_number_of_chunks(tmp_path):
+    import multiprocessing
+
+    from megatron_core.data import preprocess as pp
+
+    path = _corpus(tmp_path, GOOD * 20)
+    read = []
+
+    def counted_chunks():
+        for chunk in pp.read_chunks([str(path)]):
+            read.append(chunk)
+            yield chunk
+
+    args = _args([path], tmp_path / "unused")
+    with multiprocessing.get_context("fork").Pool(1, initializer=pp._init_worker, initargs=(args, "tiktoken", None)) as pool:
+        results = pp._ordered_bounded_map(pool, counted_chunks(), in_flight=3)
+        first = next(results)
+        assert len(read) <= 3  # Pool.imap would have queued all 24 chunks by now
+        rest = list(results)
+    assert len(read) == 24 and len(rest) == 23 and first[1][0][0] == "ok"

@@ -14,6 +14,7 @@ sequences. Input is streamed in chunks of lines to worker processes (results in 
 from __future__ import annotations
 
 import argparse
+import collections
 import glob
 import gzip
 import json
@@ -218,6 +219,18 @@ def _encode_in_worker(chunk):
 # ----------------------------------------------------------------------------------------------
 
 
+def _ordered_bounded_map(pool, chunks, in_flight: int):
+    """Like pool.imap (results in input order) but with at most in_flight chunks read ahead:
+    Pool.imap's feeder thread would read the whole input into memory."""
+    pending = collections.deque()
+    for chunk in chunks:
+        pending.append(pool.apply_async(_encode_in_worker, (chunk,)))
+        if len(pending) >= in_flight:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
 class _Progress:
     def __init__(self, interval: int) -> None:
         self.interval = max(1, int(interval))
@@ -275,7 +288,7 @@ def preprocess(args: argparse.Namespace) -> dict:
         else:
             ctx = multiprocessing.get_context("spawn" if sys.platform == "darwin" else "fork")
             pool = ctx.Pool(args.workers, initializer=_init_worker, initargs=(args, engine, punkt_params))
-            results = pool.imap(_encode_in_worker, chunks)
+            results = _ordered_bounded_map(pool, chunks, in_flight=4 * args.workers)
         for path, lines in results:
             for result in lines:
                 if result[0] != "ok":
