@@ -5,10 +5,13 @@ reference run, the recipe hash it was made with and the tolerance it is checked 
 `metrics.jsonl` (conventions item 4) is compared value by value; a drift, a missing or an extra iteration
 fails with a diff table. `update` rewrites the file from a run (after an intended change).
 
-Tolerance: a value passes when |actual - golden| <= atol + rtol * |golden|. The defaults (rtol 1e-3,
-atol 1e-5) hold fp32 runs on a CPU torch build across x86 machines (different SIMD paths reorder float
-sums; on the same machine and build the values repeat to ~1e-6); a GPU run is not compared with these CPU
-values at all: `sanity` checks it (finite losses that go down) instead.
+Tolerance: a value passes when |actual - golden| <= atol + rtol * |golden|. The defaults (rtol 1e-4,
+atol 1e-6) are for fp32 runs on a CPU torch build: on one machine the smoke losses repeat exactly with the
+same thread count and to ~4e-8 relative between 1 and 2 threads (measured), and other x86 machines reorder
+float sums through other SIMD paths, so 1e-4 leaves that noise ~1000x room while a wrong learning rate,
+mask or data order moves the loss by 1e-3 or more. Looser across torch versions or CPU families: pass
+--rtol. A GPU run is not compared with these CPU values at all: `sanity` checks it (finite losses that
+go down) instead.
 
     python -m ci.golden check  --recipe smoke [--workdir W | --metrics run/metrics.jsonl]
     python -m ci.golden update --recipe smoke [--workdir W | --metrics run/metrics.jsonl]
@@ -31,8 +34,8 @@ from megatron_core.errors import UserError
 GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
 METRIC = "lm_loss"
 SPLITS = ("train", "valid", "test")
-DEFAULT_RTOL = 1e-3
-DEFAULT_ATOL = 1e-5
+DEFAULT_RTOL = 1e-4
+DEFAULT_ATOL = 1e-6
 
 Values = dict[str, dict[int, float]]  # split -> iteration -> lm_loss
 

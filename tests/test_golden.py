@@ -53,18 +53,18 @@ def test_same_run_passes(made):
     gdir, metrics = made
     comparison = golden.check("smoke", metrics, gdir, recipe_hash="abc123")
     assert comparison.ok and len(comparison.rows) == 5
-    assert comparison.summary() == "golden smoke: 5/5 values within rtol=0.001 atol=1e-05"
+    assert comparison.summary() == "golden smoke: 5/5 values within rtol=0.0001 atol=1e-06"
 
 
 def test_drift_within_tolerance_passes_beyond_fails_with_table(made, tmp_path):
     gdir, _ = made
-    inside = write_metrics(tmp_path / "inside.jsonl", train={**TRAIN, 6: 5.8 * (1 + 5e-4)})
+    inside = write_metrics(tmp_path / "inside.jsonl", train={**TRAIN, 6: 5.8 * (1 + 5e-5)})
     assert golden.check("smoke", inside, gdir).ok
     outside = write_metrics(tmp_path / "outside.jsonl", train={**TRAIN, 6: 5.8 * (1 + 5e-3)})
     with pytest.raises(golden.GoldenError) as info:
         golden.check("smoke", outside, gdir)
     message = str(info.value)
-    assert message.startswith("golden smoke: 4/5 values within rtol=0.001 atol=1e-05")
+    assert message.startswith("golden smoke: 4/5 values within rtol=0.0001 atol=1e-06")
     table = message.splitlines()
     assert table[1].split() == ["split", "iteration", "golden", "actual", "abs", "diff", "rel", "diff", "status"]
     drift = [line.split() for line in table if line.endswith("DRIFT")]
