@@ -29,8 +29,7 @@ class FakeContainer:
 
     def logs(self, stream, follow):
         assert stream and follow
-        for line in self.lines:
-            yield line
+        yield from self.lines
         if self.fail:
             raise self.fail
 

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # ci/ is a top-level folder of the repository, not an installed package
     sys.path.insert(0, str(ROOT))
 
-from ci import golden  # noqa: E402
+from ci import golden  # noqa: E402  (after the sys.path line above)
 
 TRAIN = {2: 6.2400, 4: 6.1000, 6: 5.8000, 8: 5.5000}
 VALID = {8: 5.6000}
@@ -126,7 +126,7 @@ def test_sanity_for_runs_without_golden(tmp_path):
 
 
 def test_cli_check_fails_with_table_and_update_round_trips(made, tmp_path, capsys):
-    gdir, metrics = made
+    gdir, _ = made
     drifted = write_metrics(tmp_path / "d.jsonl", train={**TRAIN, 8: 4.0})
     assert golden.main(["check", "--recipe", "smoke", "--metrics", str(drifted), "--golden-dir", str(gdir)]) == 2
     err = capsys.readouterr().err
