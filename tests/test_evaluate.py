@@ -3,6 +3,7 @@ stop sequences; evaluate() end to end (JSON + markdown beside the reference, Hum
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -70,6 +71,12 @@ def test_humaneval_through_evaluate_resumes_from_cache(eval_setup, monkeypatch):
     assert first["humaneval"]["num_problems"] == 2 and 0.0 <= first["pass@1"] <= first["pass@2"] <= 1.0
     cache = first["humaneval"]["cache"]
     assert len(open(cache).read().splitlines()) == 2
+    # sampling is seeded per problem: a fresh run (or a resumed one) draws the same completions
+    fresh = evaluate(recipe, hf_dir, **{**kw, "out_dir": root / "ev-he-fresh", "problems": 1})
+    records = [json.loads(line) for line in open(cache)]
+    assert all(records[0]["completions"]) and records[0]["completions"][0] != records[0]["completions"][1]
+    assert [json.loads(line) for line in open(fresh["humaneval"]["cache"])][0]["completions"] == \
+        records[0]["completions"]
 
     import megatron_core.evaluate.runner as runner
 

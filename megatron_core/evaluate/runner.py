@@ -119,9 +119,11 @@ def humaneval_generate_fn(loaded: LoadedModel, settings: HumanEvalSettings):
     cfg = SamplingConfig(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
                          top_p=settings.top_p, stop_sequences=settings.stop_sequences, eos_token_id=eos,
                          vocab_limit=len(tok), context_window=loaded.context_window)
-    generator = torch.Generator().manual_seed(settings.seed)
-
     def fn(prompt: str, n: int) -> list[str]:
+        # One generator per problem, seeded by (seed, prompt): a resumed run samples what an
+        # uninterrupted one would have.
+        digest = hashlib.sha256(f"{settings.seed}:{prompt}".encode()).digest()
+        generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
         ids = tok.encode(prompt)[-(loaded.context_window - 1):]
         samples = generate(loaded.model_fn, ids, cfg, num_samples=n, decode=tok.decode, generator=generator)
         return [tok.decode(s) for s in samples]
