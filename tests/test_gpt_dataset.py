@@ -200,3 +200,25 @@ def test_bad_input_messages(data, tmp_path):
         gpt_dataset.build_gpt_datasets(data["a"], split="999,1,0", seq_length=8, num_samples=(1, 1, 0), seed=1, cache_dir=str(tmp_path))
     with pytest.raises(UserError, match="weight"):
         gpt_dataset.build_gpt_datasets(["x", data["a"], "0.5", data["b"]], split="1", seq_length=8, num_samples=(1, 0, 0), seed=1, cache_dir=str(tmp_path))
+
+
+def _build_on_rank(prefix, cache_dir):
+    import torch.distributed as dist
+
+    before = gpt_dataset.BUILD_COUNTER["gpt"]
+    train, valid, test = gpt_dataset.build_gpt_datasets(prefix, split="90,8,2", seq_length=32, num_samples=(200, 20, 5), seed=5, cache_dir=cache_dir)
+    return {
+        "rank": dist.get_rank(),
+        "built": gpt_dataset.BUILD_COUNTER["gpt"] - before,
+        "mmapped": isinstance(train.shuffle_index, np.memmap),
+        "tokens": torch.stack([train[i]["tokens"] for i in range(10)]),
+    }
+
+
+def test_rank0_builds_other_ranks_memory_map(data, tmp_path):
+    from distributed_utils import run_distributed
+
+    results = sorted(run_distributed(_build_on_rank, 2, data["a"], str(tmp_path)), key=lambda r: r["rank"])
+    assert [r["built"] for r in results] == [3, 0]
+    assert all(r["mmapped"] for r in results)
+    assert torch.equal(results[0]["tokens"], results[1]["tokens"])
