@@ -134,7 +134,10 @@ def build_datasets(recipe: Recipe, data_prefix, cache_dir: Path):
 def build_model(recipe: Recipe, padded_vocab_size: int, device: torch.device, dtype: torch.dtype, fusions):
     from megatron_core.models.gpt import GPTModel
 
-    model = GPTModel(recipe.model, recipe.parallel, padded_vocab_size, fusions=fusions)
+    # Weights come from (training.seed, parameter name), not from the per-stage seeded RNG, so every
+    # TP x PP layout starts from the single process's weights (Megatron seeds stages apart for dropout).
+    model = GPTModel(recipe.model, recipe.parallel, padded_vocab_size, fusions=fusions,
+                     init_seed=recipe.training.seed)
     head_copy = getattr(model, "word_embeddings_for_head", None)
     if head_copy is not None:
         head_copy.weight.shared = True  # a duplicate of the first stage's weight: not in the grad norm twice
@@ -144,15 +147,44 @@ def build_model(recipe: Recipe, padded_vocab_size: int, device: torch.device, dt
     return model
 
 
+def build_model_and_optimizer(recipe: Recipe, padded_vocab_size: int, device: torch.device):
+    """(fusion backends, the model to train (DDP-wrapped when DP > 1), the bare GPTModel, optimizer):
+    what train() runs and what bench/train.py times, built one way."""
+    from megatron_core.distributed import DistributedDataParallel
+    from megatron_core.fusions import fused_adam_class, resolve_backends
+    from megatron_core.training.loss_scaler import ConstantGradScaler, DynamicGradScaler
+    from megatron_core.training.optimizer import AdamSettings, MegatronOptimizer
+
+    p, t = recipe.parallel, recipe.training
+    precision, dtype = precision_of(recipe)
+    fusions = resolve_backends(t.fusions, t.fusion_overrides, device)
+    model = build_model(recipe, padded_vocab_size, device, dtype, fusions)
+    inner_model = model
+    fused_adam = fused_adam_class() if device.type == "cuda" else None
+    scaler = (DynamicGradScaler(t.initial_loss_scale, t.min_loss_scale, 2.0, 0.5, t.loss_scale_window, t.hysteresis)
+              if precision == "fp16" else ConstantGradScaler())
+    settings = AdamSettings(t.lr, t.weight_decay, t.adam_beta1, t.adam_beta2, t.adam_eps)
+    if p.use_distributed_optimizer:
+        from megatron_core.distributed.distributed_optimizer import DistributedOptimizer
+
+        model = DistributedDataParallel(model, p, reduce_kind="reduce_scatter")
+        optimizer = DistributedOptimizer(model, settings, precision=precision, clip_grad=t.clip_grad,
+                                         grad_scaler=scaler, device=device, fused_adam_cls=fused_adam)
+    else:
+        if ps.get_data_parallel_world_size() > 1:
+            model = DistributedDataParallel(model, p)
+        optimizer = MegatronOptimizer(inner_model, settings, precision=precision, clip_grad=t.clip_grad,
+                                      grad_scaler=scaler, device=device, fused_adam_cls=fused_adam)
+    return fusions, model, inner_model, optimizer
+
+
 def train(recipe: Recipe, run_dir, data_prefix, tokenizer_files=None, load=None, save=None, *,
           save_optim: bool = True, vocab_size: Optional[int] = None, datasets=None) -> dict:
     """Train `recipe`; outputs under `run_dir` (checkpoints default to run_dir/checkpoints and
     resume from there). `datasets` (train, valid, test) replaces building them from data_prefix."""
-    from megatron_core.distributed import DistributedDataParallel, init_distributed
-    from megatron_core.fusions import apex_status, fused_adam_class, resolve_backends
+    from megatron_core.distributed import init_distributed
+    from megatron_core.fusions import apex_status
     from megatron_core.training.logging import RunLogger
-    from megatron_core.training.optimizer import AdamSettings, MegatronOptimizer
-    from megatron_core.training.loss_scaler import ConstantGradScaler, DynamicGradScaler
     from megatron_core.training.trainer import Trainer, _is_log_writer
 
     check_training_values(recipe)
@@ -171,24 +203,7 @@ def train(recipe: Recipe, run_dir, data_prefix, tokenizer_files=None, load=None,
     seed_everything(t.seed)
 
     padded_vocab = recipe.padded_vocab_size(_vocab_size(tokenizer_files, vocab_size))
-    fusions = resolve_backends(t.fusions, t.fusion_overrides, device)
-    model = build_model(recipe, padded_vocab, device, dtype, fusions)
-    inner_model = model
-    fused_adam = fused_adam_class() if device.type == "cuda" else None
-    scaler = (DynamicGradScaler(t.initial_loss_scale, t.min_loss_scale, 2.0, 0.5, t.loss_scale_window, t.hysteresis)
-              if precision == "fp16" else ConstantGradScaler())
-    settings = AdamSettings(t.lr, t.weight_decay, t.adam_beta1, t.adam_beta2, t.adam_eps)
-    if p.use_distributed_optimizer:
-        from megatron_core.distributed.distributed_optimizer import DistributedOptimizer
-
-        model = DistributedDataParallel(model, p, reduce_kind="reduce_scatter")
-        optimizer = DistributedOptimizer(model, settings, precision=precision, clip_grad=t.clip_grad,
-                                         grad_scaler=scaler, device=device, fused_adam_cls=fused_adam)
-    else:
-        if ps.get_data_parallel_world_size() > 1:
-            model = DistributedDataParallel(model, p)
-        optimizer = MegatronOptimizer(inner_model, settings, precision=precision, clip_grad=t.clip_grad,
-                                      grad_scaler=scaler, device=device, fused_adam_cls=fused_adam)
+    fusions, model, inner_model, optimizer = build_model_and_optimizer(recipe, padded_vocab, device)
     logger = RunLogger(run_dir, writer=_is_log_writer())
     if datasets is None:
         datasets = build_datasets(recipe, data_prefix, run_dir / "index-cache")

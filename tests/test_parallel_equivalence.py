@@ -277,9 +277,7 @@ assert all(layout.num_microbatches >= 1 for layout in TWO_RANK_LAYOUTS + FOUR_RA
 
 # Through megatron_core.train.train() itself, not only the Trainer with this module's build().
 ENTRY_LAYOUTS = (Layout("PP2", pp=2), Layout("DP2 distributed optimizer", dp=2, distributed_optimizer=True))
-ENTRY_XFAIL = {"PP2": "train.build_model builds GPTModel without init_seed, so each pipeline stage initializes "
-                      "from seed + 100 x pp_rank (seed_everything): PP weights differ from the single process and "
-                      "the tied embedding copies differ; fix: GPTModel(..., init_seed=recipe.training.seed)"}
+ENTRY_XFAIL: dict[str, str] = {}  # layouts of the entry point known not to match (none)
 
 
 @pytest.fixture(scope="module")
