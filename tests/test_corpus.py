@@ -28,6 +28,17 @@ def test_python_stdlib_is_sorted_deterministic_and_real(tmp_path):
     assert all(d["source"] == "python-stdlib" for d in docs)
 
 
+def test_stdlib_shuffle_seed_is_a_fixed_permutation_of_the_same_files(tmp_path):
+    build_corpus([{"type": "python-stdlib", "shuffle_seed": 7}], tmp_path / "a.jsonl", max_bytes=2_000_000)
+    build_corpus([{"type": "python-stdlib", "shuffle_seed": 7}], tmp_path / "b.jsonl", max_bytes=2_000_000)
+    assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
+    shuffled = [d["path"] for d in _lines(tmp_path / "a.jsonl")]
+    assert shuffled != sorted(shuffled)  # drawn from the whole library, not its first packages
+    assert len({p.split("/")[0] for p in shuffled}) > 10
+    other = build_corpus([{"type": "python-stdlib", "shuffle_seed": 8}], tmp_path / "c.jsonl", max_documents=20)
+    assert other["documents"] == 20 and [d["path"] for d in _lines(tmp_path / "c.jsonl")] != shuffled[:20]
+
+
 def test_stdlib_excludes_site_packages_and_respects_max_bytes(tmp_path):
     summary = build_corpus([{"type": "python-stdlib"}], tmp_path / "c.jsonl", max_bytes=300_000)
     docs = _lines(tmp_path / "c.jsonl")

@@ -1,9 +1,11 @@
 """Build a recipe's corpus: loose JSON lines, key `content` plus where each document came from.
 
 Source kinds (a list of dicts, as in recipe.corpus.sources):
-- {"type": "python-stdlib"}: the running interpreter's standard-library `.py` files, sorted by
-  relative path; site-packages/dist-packages, and files that are not valid UTF-8 (a few test
-  fixtures on purpose), are left out.
+- {"type": "python-stdlib", "shuffle_seed": N (optional)}: the running interpreter's standard-library
+  `.py` files, sorted by relative path, or in a fixed pseudo-random order of those paths with
+  `shuffle_seed` (so that Megatron's contiguous valid/test split samples the whole library rather
+  than its last packages); site-packages/dist-packages, and files that are not valid UTF-8 (a few
+  test fixtures on purpose), are left out.
 - {"type": "jsonl", "paths": [globs], "key": "content"}: `.jsonl` / `.jsonl.gz` files.
 - {"type": "hf-dataset", "name": ..., "revision": ..., "split": "train", "key": "content"}: through
   the `datasets` library; `name` may also be a local directory (save_to_disk, or parquet/json files).
@@ -15,6 +17,7 @@ import glob
 import gzip
 import json
 import os
+import random
 import sys
 import sysconfig
 from pathlib import Path
@@ -36,7 +39,10 @@ def _stdlib_documents(source: dict) -> Iterator[dict]:
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in _EXCLUDED_DIRS]
         paths.extend(Path(dirpath, f) for f in filenames if f.endswith(".py"))
-    for path in sorted(paths, key=lambda p: p.relative_to(root).as_posix()):
+    paths.sort(key=lambda p: p.relative_to(root).as_posix())
+    if source.get("shuffle_seed") is not None:
+        random.Random(int(source["shuffle_seed"])).shuffle(paths)
+    for path in paths:
         try:
             text = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
