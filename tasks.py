@@ -202,9 +202,9 @@ def convert(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, load=N
     run = workflow.run_dir(r, workdir)
     vocab, merges = workflow.tokenizer_files(r, workdir) if load is None else (None, None)
     summary = convert_checkpoint(
-        load_dir=load or str(run / "checkpoints"),
-        save_dir=save or str(run / "hf"),
-        iteration=iteration,
+        load=load or str(run / "checkpoints"),
+        save=save or str(run / "hf"),
+        iteration=None if iteration == "latest" else iteration,
         format=format,
         dtype=dtype,
         vocab_file=vocab,
@@ -215,13 +215,14 @@ def convert(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, load=N
 
 
 @task(name="import-hf", help={"model": "transformers GPT2 directory", "save": "checkpoint directory to write",
-                              "tp": "tensor-parallel size", "pp": "pipeline-parallel size"})
+                              "tp": "tensor-parallel size", "pp": "pipeline-parallel size",
+                              "overwrite": "replace a checkpoint already in --save"})
 @people_errors
-def import_hf(c, model, save, tp=1, pp=1):
+def import_hf(c, model, save, tp=1, pp=1, overwrite=False):
     """Write a Megatron-layout checkpoint from a transformers GPT2 directory (to continue training)."""
-    from megatron_core.convert import import_hf_checkpoint
+    from megatron_core.convert import import_hf_model
 
-    print(json.dumps(import_hf_checkpoint(model, save, tp=tp, pp=pp), indent=2, default=str))
+    print(json.dumps(import_hf_model(model, save, tp=tp, pp=pp, overwrite=overwrite), indent=2, default=str))
 
 
 @recipe_task(help={
@@ -229,22 +230,18 @@ def import_hf(c, model, save, tp=1, pp=1):
     "humaneval": "also run HumanEval (default: the recipe's evaluate.humaneval)",
     "allow_code_execution": "REQUIRED to run generated code (sandboxed subprocess per sample)",
 })
-def evaluate(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, model=None, humaneval=None,
+def evaluate(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, model=None, humaneval=False,
              allow_code_execution=False):
     """Perplexity on the valid/test splits, and HumanEval pass@k when asked."""
     from megatron_core.evaluate import evaluate as run_evaluate
 
     r = _load(recipe, set_)
     run = workflow.run_dir(r, workdir)
-    results = run_evaluate(
-        r,
-        hf_dir=model or str(run / "hf"),
-        data_prefix=workflow.data_prefixes(r, workdir),
-        out_dir=str(run / "eval"),
-        humaneval=r.evaluate.humaneval if humaneval is None else humaneval,
-        allow_code_execution=allow_code_execution,
-    )
-    print(json.dumps(results, indent=2, default=str))
+    results = run_evaluate(r, model or str(run / "hf"), workdir=workdir, out_dir=str(run / "eval"),
+                           humaneval=humaneval or None, allow_code_execution=allow_code_execution)
+    summary = {k: v for k, v in results.items() if k.startswith("pass@")}
+    summary.update({f"{split}_{m}": r[m] for split, r in results.get("perplexity", {}).items() for m in ("loss", "ppl")})
+    print(json.dumps(summary, indent=2))
 
 
 @recipe_task(help={"humaneval": "include HumanEval", "allow_code_execution": "run generated code (sandboxed)"})
@@ -260,4 +257,139 @@ def pipeline(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, human
              allow_code_execution=allow_code_execution)
 
 
-ns = Collection(recipes, corpus, tokenizer, preprocess, train, convert, import_hf, evaluate, pipeline)
+# ----------------------------------------------------------------------------------------------
+# Machine report, benchmarks, containers, CI goldens
+# ----------------------------------------------------------------------------------------------
+
+
+@task(help={"json": "print the report as JSON", "require": "comma-separated pieces that must be present "
+                                                            "(cuda, nccl, apex, triton)"})
+def doctor(c, json_=False, require=""):
+    """What this machine has (torch, CUDA, NCCL, Apex, Triton) and what a missing piece disables."""
+    from megatron_core import doctor as doctor_lib
+
+    argv = (["--json"] if json_ else []) + (["--require", require] if require else [])
+    rc = doctor_lib.main(argv)
+    if rc:
+        raise Exit(code=rc)
+
+
+def _bench_module(name: str):
+    """bench/ is a package of scripts beside the core (the repository root is on sys.path under invoke)."""
+    import importlib
+
+    return importlib.import_module(f"bench.{name}")
+
+
+def _bench_exit(rc: int) -> None:
+    if rc:
+        raise Exit(code=rc)
+
+
+@task(name="preprocess", help={"workers": "worker processes (default 2)", "vocab_size": "BPE vocabulary size",
+                               "engine": "auto | tiktoken | hf", "max_bytes": "stop the corpus after this many bytes"})
+def bench_preprocess(c, workers=2, vocab_size=4096, engine="auto", max_bytes=None):
+    """Preprocessing speed on the Python-stdlib corpus (MB/s, tokens/s, documents/s); JSON to bench/results/."""
+    argv = ["--workers", str(workers), "--vocab-size", str(vocab_size), "--engine", engine]
+    argv += ["--recipe-hash", config.load_recipe(DEFAULT_RECIPE).hash]
+    if max_bytes:
+        argv += ["--max-bytes", str(max_bytes)]
+    _bench_exit(_bench_module("preprocess").main(argv))
+
+
+@task(name="dataset", help={"train_iters": "iterations (default CodeParrot-small's 150000)",
+                            "global_batch_size": "global batch (default 192)", "seq_length": "sequence length"})
+def bench_dataset(c, train_iters=150000, global_batch_size=192, seq_length=1024):
+    """GPT dataset index build: ours vs megatron-core's on the same data; JSON to bench/results/."""
+    _bench_module("dataset").main(["--train-iters", str(train_iters), "--global-batch-size",
+                                   str(global_batch_size), "--seq-length", str(seq_length)])
+
+
+@recipe_task(name="train", help={"iters": "timed iterations per run", "warmup": "untimed iterations first",
+                                 "repeats": "alternating runs of each side (best kept)",
+                                 "baseline": "hf: also train transformers' GPT2LMHeadModel + torch AdamW"})
+def bench_train(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, iters=20, warmup=3, repeats=2,
+                baseline=None):
+    """Training throughput of our core (tokens/s, ms/iter, TFLOP/s, MFU, peak memory), optionally vs transformers."""
+    argv = ["--recipe", recipe, "--workdir", str(workdir), "--iters", str(iters), "--warmup", str(warmup),
+            "--repeats", str(repeats)]
+    for item in set_ or []:
+        argv += ["--set", item]
+    if baseline:
+        argv += ["--baseline", baseline]
+    _bench_exit(_bench_module("train").main(argv))
+
+
+@task(name="kernels", help={"dtype": "bf16 | fp16 | fp32", "iters": "timed iterations per kernel"})
+def bench_kernels(c, dtype="bf16", iters=50):
+    """Each fusion on CUDA: GB/s against copy bandwidth and speedup over eager; says so and exits 0 on a CPU."""
+    _bench_exit(_bench_module("kernels").main(["--dtype", dtype, "--iters", str(iters)]))
+
+
+@task(name="build", help={"tag": "image tag (default megatron-recipes:ngc<NGC tag>)",
+                          "ngc_tag": "NGC PyTorch release, e.g. 25.10", "no_cache": "build without the layer cache",
+                          "pull": "pull a newer base image", "dry_run": "print the docker build command and exit"})
+@people_errors
+def docker_build(c, tag=None, ngc_tag=None, no_cache=False, pull=False, dry_run=False):
+    """Build the NGC-based image (Apex CUDA extensions checked at build time)."""
+    from megatron_core import containers
+
+    containers.build(tag=tag, ngc_tag=ngc_tag, no_cache=no_cache, pull=pull, dry_run=dry_run)
+
+
+@task(name="run", iterable=["mount", "set_", "env"], help={
+    "recipe": "recipe name, family or container path (default codeparrot-small)",
+    "task": "invoke task to run inside (default train)",
+    "gpus": "all or a number",
+    "mount": "extra SRC:DST[:ro] mount (repeatable)",
+    "set_": "recipe override passed to the task (repeatable)",
+    "env": "KEY=VALUE for the container (repeatable)",
+    "image": "image to run (default megatron-recipes:ngc<NGC tag>)",
+    "workdir": "host directory mounted on /work (default ./work)",
+    "cache": "host directory mounted on /cache (HF and datasets caches)",
+    "network_host": "use the host network (multi-node NCCL; implied by --nnodes > 1)",
+    "nnodes": "nodes of a multi-node run (passed to the task inside)",
+    "node_rank": "this node's rank", "master_addr": "address of node 0", "master_port": "port on node 0",
+    "dry_run": "print the docker run command and exit",
+})
+@people_errors
+def docker_run(c, recipe="codeparrot-small", task_="train", gpus="all", mount=None, set_=None, env=None, image=None,
+               workdir=DEFAULT_WORKDIR, cache=None, network_host=False, nnodes=1, node_rank=0, master_addr=None,
+               master_port=None, dry_run=False):
+    """Run a recipe's task inside the image: GPUs, ipc=host, memlock/stack ulimits, work and cache mounted."""
+    from megatron_core import containers
+
+    task_args = [arg for item in set_ or [] for arg in ("--set", item)]
+    if nnodes > 1:
+        network_host = True  # NCCL between nodes needs the host's interfaces
+        task_args += ["--nnodes", str(nnodes), "--node-rank", str(node_rank)]
+        task_args += ["--master-addr", master_addr] if master_addr else []
+        task_args += ["--master-port", str(master_port)] if master_port else []
+    rc = containers.run(recipe, task_, gpus, mount or [], dry_run=dry_run, image=image, workdir=workdir,
+                        cache=cache, env=env or [], network_host=network_host, task_args=task_args)
+    if not dry_run and rc:
+        raise Exit(f"error: the container exited with code {rc}", code=rc)
+
+
+@task(name="golden", iterable=["set_"], help={
+    "recipe": "smoke recipe whose run to check (its golden file is ci/golden/<recipe>.json)",
+    "workdir": "where the recipe's run is",
+    "update": "rewrite the golden file from the run instead of checking it",
+    "set_": "recipe override (repeatable)",
+})
+def ci_golden(c, recipe="smoke", workdir=DEFAULT_WORKDIR, update=False, set_=None):
+    """Compare a smoke run's losses with ci/golden/<recipe>.json (diff table on drift), or --update them."""
+    from ci import golden
+
+    argv = ["update" if update else "check", "--recipe", recipe, "--workdir", str(workdir)]
+    for item in set_ or []:
+        argv += ["--set", item]
+    rc = golden.main(argv)
+    if rc:
+        raise Exit(code=rc)
+
+
+ns = Collection(recipes, corpus, tokenizer, preprocess, train, convert, import_hf, evaluate, pipeline, doctor)
+ns.add_collection(Collection("bench", bench_preprocess, bench_dataset, bench_train, bench_kernels))
+ns.add_collection(Collection("docker", docker_build, docker_run))
+ns.add_collection(Collection("ci", ci_golden))
