@@ -1,0 +1,1 @@
+"""Benchmarks behind `invoke bench.*`; each writes its JSON under bench/results/."""

@@ -1,0 +1,391 @@
+"""Benchmark: training throughput of our core, optionally against transformers' GPT2 on the same work.
+
+    invoke bench.train --recipe R [--iters 20] [--warmup 3] [--repeats 2] [--baseline hf] [--set k=v ...]
+    python -m bench.train --recipe R ...   (the same)
+
+Ours is the real training step (megatron_core.train builds the model and optimizer, the Trainer runs
+the forward/backward schedule and the Megatron optimizer step). The baseline, with `--baseline hf`,
+is `transformers.GPT2LMHeadModel` (SDPA attention) + `torch.optim.AdamW` (fused on CUDA, foreach on
+a CPU) with the same model size, starting weights (ours, converted), data, micro batches, gradient
+accumulation, precision (autocast for bf16/fp16), weight-decay groups, Adam settings and clipping.
+Before timing, one step of each from the same weights must give the same loss when dropout is off
+(otherwise the two would not be doing the same work). Runs alternate (ours, hf, hf, ours, ...) in
+one process; each side keeps its best run.
+
+Reports steady-state tokens/s, ms per iteration, TFLOP/s per device (Megatron's formula), MFU where
+the device's peak is known (never on a CPU), and peak memory (CUDA: max allocated; CPU: the
+process's peak resident set, reset before each run). Writes bench/results/train-<time>.json and a
+bar chart beside it, and prints the JSON as the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from megatron_core import config, workflow
+from megatron_core.errors import UserError
+
+RESULTS = Path(__file__).resolve().parent / "results"
+# Targets from the fused-kernels issue: our tokens/s over the transformers baseline.
+TARGET_RATIO = {"cpu": 1.2, "cuda": 1.8}
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory
+# ----------------------------------------------------------------------------------------------
+
+
+def _reset_peak_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:  # Linux: "5" resets the process's peak RSS (VmHWM) to its current RSS
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+    except OSError:
+        pass
+
+
+def _peak_memory_mb(device: torch.device) -> Optional[float]:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# The two sides
+# ----------------------------------------------------------------------------------------------
+
+
+class Setup:
+    """What both sides share: recipe, device, data, padded vocabulary, FLOPs per iteration."""
+
+    def __init__(self, recipe: config.Recipe, workdir: str) -> None:
+        from megatron_core import train as train_lib
+        from megatron_core.data.tokenizer import GPT2BPETokenizer
+        from megatron_core.training import flops
+
+        if recipe.parallel.world_size != 1:
+            raise UserError(f"bench.train times one device; recipe {recipe.name} has parallel.world_size "
+                            f"{recipe.parallel.world_size}: add --set parallel.world_size=1 (and TP/PP 1)")
+        self.recipe = recipe
+        workflow.preprocess(recipe, workdir)  # the data steps, only where missing
+        vocab, merges = workflow.tokenizer_files(recipe, workdir)
+        tokenizer = GPT2BPETokenizer(str(vocab), str(merges), quiet=True)
+        self.eod = tokenizer.eod if hasattr(tokenizer, "eod") else None
+        self.padded_vocab = recipe.padded_vocab_size(tokenizer.vocab_size)
+        self.device = train_lib.choose_device(recipe.training.device)
+        self.precision, self.dtype = train_lib.precision_of(recipe)
+        cache = Path(tempfile.mkdtemp(prefix="bench-train-index-"))
+        self.train_ds = train_lib.build_datasets(recipe, workflow.data_prefixes(recipe, workdir), cache)[0]
+        m, t = recipe.model, recipe.training
+        self.tokens_per_iteration = t.global_batch_size * m.seq_length
+        self.flops_per_iteration = flops.model_flops_per_iteration(
+            global_batch_size=t.global_batch_size, seq_length=m.seq_length, num_layers=m.num_layers,
+            hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_size, padded_vocab_size=self.padded_vocab,
+            full_recompute=recipe.parallel.recompute_granularity == "full")
+        self.device_name = train_lib.device_name(self.device)
+        self.peak_tflops = (flops.device_peak_tflops(self.device_name, self.precision)
+                            if self.device.type == "cuda" else None)
+
+    def batches(self):
+        from megatron_core.training.data_iterators import batch_iterator
+
+        return batch_iterator(self.train_ds, consumed_samples=0, micro_batch_size=self.recipe.training.micro_batch_size,
+                              dp_rank=0, dp_size=1, device=self.device, wrap=True)
+
+
+def build_ours(setup: Setup):
+    """(step function -> loss, our GPTModel): the real Trainer.train_step on the recipe's model."""
+    from megatron_core import train as train_lib
+    from megatron_core.training.logging import RunLogger
+    from megatron_core.training.trainer import Trainer
+
+    recipe = setup.recipe
+    train_lib.seed_everything(recipe.training.seed)
+    fusions, model, inner, optimizer = train_lib.build_model_and_optimizer(recipe, setup.padded_vocab, setup.device)
+    run_dir = Path(tempfile.mkdtemp(prefix="bench-train-run-"))
+    trainer = Trainer(recipe, model, (setup.train_ds, None, None), setup.padded_vocab, run_dir, optimizer=optimizer,
+                      device=setup.device, save=None, load=None, logger=RunLogger(run_dir, writer=False),
+                      device_name=setup.device_name, precision=setup.precision)
+    batches = setup.batches()
+    model.train()
+
+    def step() -> float:
+        loss, ok, _ = trainer.train_step(batches)
+        return loss if ok else float("nan")
+
+    description = f"{fusions.describe()}; {optimizer.description}; model: {inner.describe_backends()}"
+    return step, inner, description
+
+
+def _model_shape(setup: Setup):
+    from megatron_core.convert.shards import ModelShape
+
+    m = setup.recipe.model
+    return ModelShape(num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+                      ffn_hidden_size=m.ffn_size, padded_vocab_size=setup.padded_vocab,
+                      max_position_embeddings=m.max_position_embeddings,
+                      gelu_approximation="tanh" if m.bias_gelu_fusion else "none", tied_embeddings=True)
+
+
+def build_hf(setup: Setup, start_state: dict):
+    """(step function -> loss): GPT2LMHeadModel + torch AdamW doing the same work from the same weights."""
+    from transformers import GPT2LMHeadModel
+
+    from megatron_core.convert.gpt2_mapping import megatron_to_gpt2_state
+    from megatron_core.convert.megatron_to_hf import gpt2_config
+    from megatron_core.training.optimizer import param_groups
+
+    recipe, device = setup.recipe, setup.device
+    m, t = recipe.model, recipe.training
+    shape = _model_shape(setup)
+    cfg = gpt2_config(shape, setup.eod, torch.float32, args=argparse.Namespace(
+        hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout))
+    cfg._attn_implementation = "sdpa"
+    model = GPT2LMHeadModel(cfg)
+    missing, unexpected = model.load_state_dict(megatron_to_gpt2_state(start_state, shape), strict=False)
+    if unexpected or [k for k in missing if k != "lm_head.weight"]:  # lm_head is tied to wte
+        raise RuntimeError(f"baseline weights do not map: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    model.to(device).train()
+    options = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    optimizer = torch.optim.AdamW(param_groups(model.named_parameters(), t.weight_decay), lr=t.lr,
+                                  betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, **options)
+    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(setup.precision)
+    scaler = torch.amp.GradScaler(device.type) if setup.precision == "fp16" else None
+    micro_batches = recipe.num_micro_batches
+    batches = setup.batches()
+
+    def step() -> float:
+        optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for _ in range(micro_batches):
+            batch = next(batches)
+            with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                logits = model(input_ids=batch["tokens"], position_ids=batch["position_ids"]).logits
+            per_token = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(),
+                                                          reduction="none")
+            mask = batch["loss_mask"].flatten().float()
+            loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+            (scaler.scale(loss / micro_batches) if scaler else loss / micro_batches).backward()
+            total += float(loss.detach())
+        if scaler:
+            scaler.unscale_(optimizer)
+        if t.clip_grad > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip_grad)
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        return total / micro_batches
+
+    return step
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing
+# ----------------------------------------------------------------------------------------------
+
+
+def timed(setup: Setup, step: Callable[[], float], iters: int, warmup: int) -> dict:
+    """Steady state: `warmup` untimed steps, then `iters` timed ones (device synchronized at both ends)."""
+    device = setup.device
+    losses = [step() for _ in range(warmup)]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        losses.append(step())
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = (time.perf_counter() - start) / iters
+    tflops = setup.flops_per_iteration / seconds / 1e12
+    result = {"ms_per_iteration": seconds * 1e3, "tokens_per_s": setup.tokens_per_iteration / seconds,
+              "tflops_per_device": tflops, "peak_memory_mb": _peak_memory_mb(device),
+              "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None}
+    if setup.peak_tflops:
+        result["mfu"] = tflops / setup.peak_tflops
+    if not all(math.isfinite(x) for x in losses):
+        raise RuntimeError(f"non-finite loss while benchmarking: {losses}")
+    return result
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run(recipe_spec: str = "codeparrot-tiny", overrides=(), workdir: str = "./work", iters: int = 20,
+        warmup: int = 3, repeats: int = 2, baseline: Optional[str] = None, write: bool = True,
+        echo=print, results_dir: Optional[Path] = None) -> dict:
+    if baseline not in (None, "hf"):
+        raise UserError(f"--baseline {baseline!r} is not known; use --baseline hf (transformers GPT2LMHeadModel)")
+    if iters < 1 or warmup < 0 or repeats < 1:
+        raise UserError(f"need --iters >= 1, --warmup >= 0, --repeats >= 1 (got {iters}, {warmup}, {repeats})")
+    recipe = config.load_recipe(recipe_spec, list(overrides))
+    setup = Setup(recipe, workdir)
+    echo(f"bench.train: {recipe.describe()} on {setup.device_name}, {setup.precision}, "
+         f"{setup.tokens_per_iteration} tokens per iteration, {iters} timed after {warmup} warm-up, "
+         f"{repeats} alternating runs", )
+
+    # Same work check: one step of each from the same weights (ours, converted), dropout off.
+    check, start_state = None, None
+    if baseline:
+        step, ours_model, _ = build_ours(setup)
+        start_state = {k: v.detach().float().cpu().clone() for k, v in ours_model.state_dict().items()
+                       if not k.endswith("_extra_state")}
+        hf_step = build_hf(setup, start_state)
+        ours_loss, hf_loss = step(), hf_step()
+        check = {"ours_first_loss": ours_loss, "baseline_first_loss": hf_loss,
+                 "relative_difference": abs(ours_loss - hf_loss) / abs(hf_loss)}
+        no_dropout = recipe.model.hidden_dropout == 0 and recipe.model.attention_dropout == 0
+        tolerance = 1e-4 if setup.precision == "fp32" else 2e-2
+        if no_dropout and check["relative_difference"] > tolerance:
+            raise RuntimeError(f"ours and the baseline disagree on the first step's loss from the same weights "
+                               f"({ours_loss:.6f} vs {hf_loss:.6f}): they are not doing the same work")
+        echo(f"same work: first-step loss ours {ours_loss:.6f}, transformers {hf_loss:.6f}")
+        del step, ours_model, hf_step
+        _free()
+
+    runs: dict[str, list[dict]] = {"ours": [], "baseline": []}
+    sides = ["ours", "baseline"] if baseline else ["ours"]
+    description = None
+    for attempt in range(repeats):
+        for side in (sides if attempt % 2 == 0 else sides[::-1]):
+            _reset_peak_memory(setup.device)
+            if side == "ours":
+                step, ours_model, description = build_ours(setup)
+                del ours_model
+            else:
+                step = build_hf(setup, start_state)
+            result = timed(setup, step, iters, warmup)
+            runs[side].append(result)
+            echo(f"  run {attempt + 1} {side:8s}: {result['tokens_per_s']:10.0f} tokens/s, "
+                 f"{result['ms_per_iteration']:8.1f} ms/iter, {result['tflops_per_device']:.3f} TFLOP/s, "
+                 f"peak {result['peak_memory_mb'] or float('nan'):.0f} MB")
+            del step
+            _free()
+
+    best = {side: max(values, key=lambda r: r["tokens_per_s"]) for side, values in runs.items() if values}
+    m, t = recipe.model, recipe.training
+    result = {
+        "benchmark": "train",
+        "recipe": recipe.name,
+        "recipe_version": recipe.version,
+        "recipe_hash": recipe.hash,
+        "overrides": list(overrides),
+        "device": setup.device_name,
+        "precision": setup.precision,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "model": {"num_layers": m.num_layers, "hidden_size": m.hidden_size, "heads": m.num_attention_heads,
+                  "seq_length": m.seq_length, "padded_vocab_size": setup.padded_vocab},
+        "micro_batch_size": t.micro_batch_size,
+        "global_batch_size": t.global_batch_size,
+        "iters": iters, "warmup": warmup, "repeats": repeats,
+        "ours_backends": description,
+        "ours": best["ours"],
+        "ours_tokens_per_s": best["ours"]["tokens_per_s"],
+        "ours_all_tokens_per_s": [r["tokens_per_s"] for r in runs["ours"]],
+    }
+    if baseline:
+        ratio = best["ours"]["tokens_per_s"] / best["baseline"]["tokens_per_s"]
+        target = TARGET_RATIO[setup.device.type]
+        result.update({
+            "baseline_name": "transformers GPT2LMHeadModel (sdpa) + torch.optim.AdamW",
+            "same_work_check": check,
+            "baseline": best["baseline"],
+            "baseline_tokens_per_s": best["baseline"]["tokens_per_s"],
+            "baseline_all_tokens_per_s": [r["tokens_per_s"] for r in runs["baseline"]],
+            "ratio": ratio,
+            "target_ratio": target,
+            "meets_target": ratio >= target,
+        })
+        echo(f"ours / transformers: {ratio:.2f}x (target {target}x)")
+    if write:
+        result["results_file"] = str(write_results(result, Path(results_dir or RESULTS)))
+    return result
+
+
+def write_results(result: dict, results_dir: Path = RESULTS) -> Path:
+    results_dir.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = results_dir / f"train-{stamp}.json"
+    if "baseline_tokens_per_s" in result:
+        result["chart"] = str(write_chart(result, results_dir / f"train-{stamp}.png"))
+    partial = path.with_suffix(".json.partial")
+    partial.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(partial, path)  # never a half-written results file under the final name
+    return path
+
+
+def write_chart(result: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = ["ours (megatron_core)", "transformers GPT2"]
+    values = [result["ours_tokens_per_s"], result["baseline_tokens_per_s"]]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    bars = ax.bar(names, values, color=["#4c72b0", "#999999"])
+    for bar, value in zip(bars, values):
+        ax.text(bar.get_x() + bar.get_width() / 2, value, f"{value:,.0f}", ha="center", va="bottom")
+    ax.set_ylabel("tokens / s")
+    ax.set_title(f"{result['recipe']} [{result['recipe_hash']}] on {result['device']}, {result['precision']}: "
+                 f"{result['ratio']:.2f}x", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.train", description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", default="codeparrot-tiny")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--workdir", default="./work")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--baseline", choices=["hf"])
+    parser.add_argument("--results-dir", default=str(RESULTS), help="where the JSON and chart go")
+    args = parser.parse_args(argv)
+    try:
+        result = run(args.recipe, args.overrides, args.workdir, args.iters, args.warmup, args.repeats, args.baseline,
+                     results_dir=Path(args.results_dir))
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

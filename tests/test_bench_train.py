@@ -1,0 +1,53 @@
+"""bench.train: ours and the transformers baseline do the same work (same first loss from the same
+weights), the JSON has the promised keys and is the last line of the output, a chart is written."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def smoke_bench(tmp_path_factory):
+    import bench.train as bench_train
+
+    results = tmp_path_factory.mktemp("bench-results")
+    workdir = tmp_path_factory.mktemp("bench-work")
+    result = bench_train.run("smoke", [], str(workdir), iters=2, warmup=1, repeats=2, baseline="hf",
+                             echo=lambda _: None, results_dir=results)
+    return result, results, workdir
+
+
+def test_same_work_and_promised_keys(smoke_bench):
+    result, results, _ = smoke_bench
+    check = result["same_work_check"]
+    assert check["relative_difference"] < 1e-4  # same weights, same batch, dropout off
+    for key in ("ours_tokens_per_s", "baseline_tokens_per_s", "ratio", "recipe_hash"):
+        assert key in result
+    assert result["ratio"] == pytest.approx(result["ours_tokens_per_s"] / result["baseline_tokens_per_s"])
+    assert len(result["ours_all_tokens_per_s"]) == len(result["baseline_all_tokens_per_s"]) == 2
+    assert result["ours"]["peak_memory_mb"] > 0 and "mfu" not in result["ours"]  # no MFU invented on a CPU
+    written = json.loads(Path(result["results_file"]).read_text())
+    assert written["recipe_hash"] == result["recipe_hash"] and Path(result["chart"]).stat().st_size > 0
+    assert Path(result["results_file"]).parent == results
+
+
+def test_cli_prints_json_last_and_refuses_bad_input(smoke_bench, tmp_path):
+    _, _, workdir = smoke_bench
+    ok = subprocess.run([sys.executable, "-m", "bench.train", "--recipe", "smoke", "--workdir", str(workdir),
+                         "--iters", "1", "--warmup", "0", "--repeats", "1", "--results-dir", str(tmp_path)],
+                        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    last = json.loads(ok.stdout.strip().splitlines()[-1])
+    assert last["ours_tokens_per_s"] > 0 and "ratio" not in last  # no baseline asked, no ratio made up
+    assert Path(last["results_file"]).parent == tmp_path
+    bad = subprocess.run([sys.executable, "-m", "bench.train", "--recipe", "smoke", "--workdir", str(workdir),
+                          "--iters", "0"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: need --iters >= 1")
+    multi = subprocess.run([sys.executable, "-m", "bench.train", "--recipe", "smoke-tp2pp2", "--workdir",
+                            str(workdir)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert multi.returncode == 2 and "times one device" in multi.stderr

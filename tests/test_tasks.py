@@ -1,0 +1,87 @@
+"""The invoke tasks themselves, as a user types them: the smoke recipe through `invoke pipeline`
+(train -> convert -> evaluate), `import-hf`, the golden check, and the machine/container/bench tasks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def invoke(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "invoke", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def smoke_pipeline(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("tasks-work")
+    proc = invoke("pipeline", "--recipe", "smoke", "--workdir", str(workdir))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    runs = list((workdir / "smoke" / "runs").iterdir())
+    assert len(runs) == 1
+    return workdir, runs[0], proc
+
+
+def test_pipeline_trains_converts_and_evaluates(smoke_pipeline):
+    _, run, proc = smoke_pipeline
+    assert f"run directory: {run.relative_to(run.parents[3])}" in proc.stdout or str(run) in proc.stdout
+    config = json.loads((run / "hf" / "config.json").read_text())
+    assert config["model_type"] == "gpt2" and config["n_layer"] == 2
+    results = json.loads((run / "eval" / "evaluation.json").read_text())
+    assert set(results["perplexity"]) == {"valid", "test"}
+    summary = json.loads(proc.stdout[proc.stdout.rindex("{"):])  # evaluate prints its summary last
+    assert summary["valid_ppl"] == pytest.approx(results["perplexity"]["valid"]["ppl"])
+    assert (run / "loss_curve.png").stat().st_size > 0
+
+
+def test_golden_task_checks_the_run(smoke_pipeline):
+    workdir, _, _ = smoke_pipeline
+    proc = invoke("ci.golden", "--recipe", "smoke", "--workdir", str(workdir))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "smoke" in proc.stdout
+
+
+def test_convert_refuses_an_occupied_target_and_import_hf_round_trips(smoke_pipeline, tmp_path):
+    workdir, run, _ = smoke_pipeline
+    again = invoke("convert", "--recipe", "smoke", "--workdir", str(workdir))
+    assert again.returncode == 2 and again.stderr.strip().startswith("error:")
+    assert "--overwrite" in again.stderr and len(again.stderr.strip().splitlines()) == 1
+    imported = invoke("import-hf", "--model", str(run / "hf"), "--save", str(tmp_path / "ckpt"), "--tp", "2")
+    assert imported.returncode == 0, imported.stderr
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "release").iterdir()) == ["mp_rank_00", "mp_rank_01"]
+
+
+def test_docker_tasks_dry_run(tmp_path):
+    build = invoke("docker.build", "--dry-run", "--tag", "img:t")
+    assert build.returncode == 0 and build.stdout.startswith("docker build -f docker/Dockerfile --build-arg NGC_TAG=")
+    run = invoke("docker.run", "--dry-run", "--recipe", "codeparrot-small-8gpu", "--image", "img:t", "--workdir",
+                 str(tmp_path / "w"), "--cache", str(tmp_path / "c"), "--nnodes", "2", "--master-addr", "node0",
+                 "--set", "lr=1e-4")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == (
+        "docker run --rm --gpus all --ipc=host --ulimit memlock=-1 --ulimit stack=67108864 --network=host "
+        f"-v {tmp_path / 'w'}:/work -v {tmp_path / 'c'}:/cache img:t invoke train --recipe codeparrot-small-8gpu "
+        "--set lr=1e-4 --nnodes 2 --node-rank 0 --master-addr node0")
+    assert not (tmp_path / "w").exists()  # a dry run creates nothing
+    bad = invoke("docker.run", "--dry-run", "--recipe", "no-such-recipe")
+    assert bad.returncode == 2 and bad.stderr.startswith("error:")
+
+
+def test_doctor_task_reports_json():
+    doctor = invoke("doctor", "--json")
+    assert doctor.returncode == 0 and "torch" in json.loads(doctor.stdout)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU path; a GPU runs the real benchmark")
+def test_kernel_bench_task_says_it_needs_a_gpu():
+    kernels = invoke("bench.kernels")
+    assert kernels.returncode == 0
+    assert json.loads(kernels.stdout.strip().splitlines()[-1]) == {"skipped": "needs a CUDA GPU"}
