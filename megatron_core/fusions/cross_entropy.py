@@ -36,29 +36,38 @@ def all_reduce_sum(tensor: torch.Tensor, group) -> torch.Tensor:
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
-    """The torch backend: fp32 math on a copy of the local logits, the same three all-reduces."""
+    """The torch backend, in fp32 and in as few passes over the logits as plain PyTorch allows.
+
+    Forward: exp(x - max) is computed once into one fp32 buffer (the row max all-reduced across TP),
+    summed, and the sum is all-reduced together with the target logit. The buffer is saved; backward
+    turns it into (softmax - onehot) x grad in place, so the exponentials are computed once per step
+    and no other tensor the size of the logits is made.
+    """
 
     @staticmethod
     def forward(ctx, logits, labels, group, vocab_start_index):
         ctx.logits_dtype = logits.dtype
-        logits = logits.float()
-        global_max = all_reduce_max(logits.max(dim=-1).values, group)
-        shifted = logits - global_max.unsqueeze(-1)
         local_labels = labels.to(torch.int64) - vocab_start_index
         in_shard = (local_labels >= 0) & (local_labels < logits.shape[-1])
         safe_labels = torch.where(in_shard, local_labels, torch.zeros_like(local_labels))
-        target = shifted.gather(-1, safe_labels.unsqueeze(-1)).squeeze(-1) * in_shard
-        exp_logits = shifted.exp()
-        sum_exp, target = all_reduce_sum(torch.stack([exp_logits.sum(dim=-1), target]), group).unbind(0)
-        softmax = exp_logits / sum_exp.unsqueeze(-1)
-        ctx.save_for_backward(softmax, safe_labels, in_shard)
+        global_max = all_reduce_max(logits.amax(dim=-1).float(), group)
+        target = logits.gather(-1, safe_labels.unsqueeze(-1)).squeeze(-1).float() - global_max
+        exp_logits = torch.sub(logits, global_max.unsqueeze(-1)).exp_()  # fp32 by type promotion
+        sum_exp, target = all_reduce_sum(torch.stack([exp_logits.sum(dim=-1), target * in_shard]), group).unbind(0)
+        ctx.save_for_backward(exp_logits, sum_exp, safe_labels, in_shard)
+        ctx.backward_done = False
         return torch.log(sum_exp) - target
 
     @staticmethod
     def backward(ctx, dloss):
-        softmax, safe_labels, in_shard = ctx.saved_tensors
-        grad = softmax.scatter_add(-1, safe_labels.unsqueeze(-1), -in_shard.to(softmax.dtype).unsqueeze(-1))
-        grad = grad * dloss.unsqueeze(-1)
+        if ctx.backward_done:
+            raise RuntimeError("cross_entropy (torch backend) reuses its saved buffer for the gradient; "
+                               "it cannot be backpropagated twice (retain_graph)")
+        ctx.backward_done = True
+        exp_logits, sum_exp, safe_labels, in_shard = ctx.saved_tensors
+        dloss = dloss.float()
+        grad = exp_logits.mul_((dloss / sum_exp).unsqueeze(-1))  # softmax x grad, in the saved buffer
+        grad.scatter_add_(-1, safe_labels.unsqueeze(-1), (-dloss * in_shard).unsqueeze(-1))
         return grad.to(ctx.logits_dtype), None, None, None
 
 
