@@ -7,9 +7,9 @@ Ours is the real training step (megatron_core.train builds the model and optimiz
 the forward/backward schedule and the Megatron optimizer step). The baseline, with `--baseline hf`,
 is `transformers.GPT2LMHeadModel` (SDPA attention) + `torch.optim.AdamW` (fused on CUDA, foreach on
 a CPU) with the same model size, starting weights (ours, converted), data, micro batches, gradient
-accumulation, precision (autocast for bf16/fp16), weight-decay groups, Adam settings and clipping.
-Before timing, one step of each from the same weights must give the same loss when dropout is off
-(otherwise the two would not be doing the same work). Runs alternate (ours, hf, hf, ours, ...) in
+accumulation, precision (autocast for bf16/fp16), weight-decay groups, Adam settings, LR schedule and
+clipping. Before timing, one step of each from the same weights must give the same loss when dropout
+is off, and in fp32 the next steps must stay close (otherwise the two would not be doing the same work). Runs alternate (ours, hf, hf, ours, ...) in
 one process; each side keeps its best run.
 
 Reports steady-state tokens/s, ms per iteration, TFLOP/s per device (Megatron's formula), MFU where
@@ -156,6 +156,7 @@ def build_hf(setup: Setup, start_state: dict):
 
     from megatron_core.convert.gpt2_mapping import megatron_to_gpt2_state
     from megatron_core.convert.megatron_to_hf import gpt2_config
+    from megatron_core.training.lr_schedule import OptimizerParamScheduler
     from megatron_core.training.optimizer import param_groups
 
     recipe, device = setup.recipe, setup.device
@@ -173,6 +174,8 @@ def build_hf(setup: Setup, start_state: dict):
     options = {"fused": True} if device.type == "cuda" else {"foreach": True}
     optimizer = torch.optim.AdamW(param_groups(model.named_parameters(), t.weight_decay), lr=t.lr,
                                   betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, **options)
+    scheduler = OptimizerParamScheduler(optimizer, max_lr=t.lr, min_lr=t.min_lr, warmup_steps=t.lr_warmup_iters,
+                                        decay_steps=t.decay_iters, decay_style=t.lr_decay_style)  # ours, too
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(setup.precision)
     scaler = torch.amp.GradScaler(device.type) if setup.precision == "fp16" else None
     micro_batches = recipe.num_micro_batches
@@ -200,6 +203,7 @@ def build_hf(setup: Setup, start_state: dict):
             scaler.update()
         else:
             optimizer.step()
+        scheduler.step(1)
         return total / micro_batches
 
     return step
@@ -259,15 +263,22 @@ def run(recipe_spec: str = "codeparrot-tiny", overrides=(), workdir: str = "./wo
         start_state = {k: v.detach().float().cpu().clone() for k, v in ours_model.state_dict().items()
                        if not k.endswith("_extra_state")}
         hf_step = build_hf(setup, start_state)
-        ours_loss, hf_loss = step(), hf_step()
-        check = {"ours_first_loss": ours_loss, "baseline_first_loss": hf_loss,
-                 "relative_difference": abs(ours_loss - hf_loss) / abs(hf_loss)}
+        ours_losses = [step() for _ in range(3)]
+        hf_losses = [hf_step() for _ in range(3)]
+        ours_loss, hf_loss = ours_losses[0], hf_losses[0]
+        check = {"ours_losses": ours_losses, "baseline_losses": hf_losses,
+                 "relative_difference": abs(ours_loss - hf_loss) / abs(hf_loss),
+                 "max_relative_difference_3_steps": max(abs(a - b) / abs(b) for a, b in zip(ours_losses, hf_losses))}
         no_dropout = recipe.model.hidden_dropout == 0 and recipe.model.attention_dropout == 0
         tolerance = 1e-4 if setup.precision == "fp32" else 2e-2
         if no_dropout and check["relative_difference"] > tolerance:
             raise RuntimeError(f"ours and the baseline disagree on the first step's loss from the same weights "
                                f"({ours_loss:.6f} vs {hf_loss:.6f}): they are not doing the same work")
-        echo(f"same work: first-step loss ours {ours_loss:.6f}, transformers {hf_loss:.6f}")
+        if no_dropout and setup.precision == "fp32" and check["max_relative_difference_3_steps"] > 1e-3:
+            raise RuntimeError(f"ours and the baseline drift apart within 3 steps ({ours_losses} vs {hf_losses}): "
+                               "their optimizers are not doing the same work")
+        echo(f"same work: losses of the first 3 steps, ours {', '.join(f'{x:.6f}' for x in ours_losses)}; "
+             f"transformers {', '.join(f'{x:.6f}' for x in hf_losses)}")
         del step, ours_model, hf_step
         _free()
 
