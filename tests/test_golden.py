@@ -143,6 +143,17 @@ def test_committed_golden_files_are_valid():
         assert all(math.isfinite(v) for by_it in g.values.values() for v in by_it.values())
 
 
+def test_tp2pp2_golden_equals_the_single_process_golden():
+    """smoke-tp2pp2 is the smoke recipe split TP 2 x PP 2: from the same initial weights (layout-independent
+    init) its losses are the single process's, number for number."""
+    single, split = golden.load_golden("smoke"), golden.load_golden("smoke-tp2pp2")
+    assert single.values.keys() == split.values.keys()
+    for kind, by_it in single.values.items():
+        assert by_it.keys() == split.values[kind].keys()
+        for it, value in by_it.items():
+            assert split.values[kind][it] == pytest.approx(value, rel=1e-5), f"{kind} iteration {it}"
+
+
 # ----------------------------------------------------------------------------------------------
 # ci/hf_load.py: the smoke job's "transformers loads the converted model" step
 # ----------------------------------------------------------------------------------------------
