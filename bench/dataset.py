@@ -56,7 +56,8 @@ class _StubTokenizer:
 
 
 def run(data_prefix: str | None = None, train_iters: int = 150000, global_batch_size: int = 192, seq_length: int = 1024,
-        eval_interval: int = 200, eval_iters: int = 10, split: str = "969,30,1", seed: int = 1234, repeats: int = 2, write: bool = True) -> dict:
+        eval_interval: int = 200, eval_iters: int = 10, split: str = "969,30,1", seed: int = 1234, repeats: int = 3, write: bool = True,
+        recipe_hash: str | None = None) -> dict:
     work = tempfile.mkdtemp(prefix="bench-dataset-")
     if data_prefix is None:
         data_prefix = synthesize(os.path.join(work, "synthetic"))
@@ -90,30 +91,35 @@ def run(data_prefix: str | None = None, train_iters: int = 150000, global_batch_
     same = all(np.array_equal(r.shuffle_index, o.shuffle_index) and np.array_equal(r.sample_index, o.sample_index)
                for r, o in zip(reference, ours) if r is not None)
     result = {
-        "benchmark": "dataset", "ours_s": round(ours_s, 3), "megatron_core_s": round(megatron_s, 3),
+        "benchmark": "dataset", "recipe_hash": recipe_hash, "ours_s": round(ours_s, 3), "megatron_core_s": round(megatron_s, 3),
         "ratio": round(ours_s / megatron_s, 3), "samples": [len(d) if d is not None else 0 for d in ours],
         "requested_samples": list(sizes), "seq_length": seq_length, "dataset_tokens": tokens,
         "indices_identical": bool(same), "data_prefix": data_prefix,
         "ours_all_s": [round(t, 3) for t in ours_times], "megatron_core_all_s": [round(t, 3) for t in megatron_times],
     }
     if write:
-        os.makedirs("bench/results", exist_ok=True)
+        results = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+        os.makedirs(results, exist_ok=True)
         stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
-        with open(f"bench/results/dataset-{stamp}.json", "w") as handle:
+        with open(os.path.join(results, f"dataset-{stamp}.json"), "w") as handle:
             json.dump(result, handle, indent=2)
     return result
 
 
-def main() -> None:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-prefix", default=None)
     parser.add_argument("--train-iters", type=int, default=150000)
     parser.add_argument("--global-batch-size", type=int, default=192)
     parser.add_argument("--seq-length", type=int, default=1024)
-    args = parser.parse_args()
-    result = run(data_prefix=args.data_prefix, train_iters=args.train_iters, global_batch_size=args.global_batch_size, seq_length=args.seq_length)
+    parser.add_argument("--repeats", type=int, default=3, help="alternating builds of each (the best is kept)")
+    parser.add_argument("--recipe-hash", default=None, help="hash of the recipe whose numbers these are")
+    args = parser.parse_args(argv)
+    result = run(data_prefix=args.data_prefix, train_iters=args.train_iters, global_batch_size=args.global_batch_size, seq_length=args.seq_length,
+                 recipe_hash=args.recipe_hash, repeats=args.repeats)
     print(json.dumps(result))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

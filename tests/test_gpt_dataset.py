@@ -151,6 +151,22 @@ def test_sample_index_equals_megatron_helper_with_empty_documents():
         assert got.dtype == expected.dtype and np.array_equal(got, expected), trial
 
 
+def test_int64_sample_index_for_huge_datasets_has_the_same_values(monkeypatch):
+    """The int64 path (more than 2**31 samples, documents or tokens in one document) computes what the
+    int32 path does; forced here by lowering the limit."""
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(1, 300, 50).astype(np.int32)
+    document_index = np.tile(np.arange(50, dtype=np.int32), 3)
+    np.random.RandomState(0).shuffle(document_index)
+    tokens = 3 * int(lengths.sum())
+    for seq_length in (16, 37):
+        narrow = gpt_dataset.build_sample_index(lengths, document_index, seq_length, tokens)
+        monkeypatch.setattr(gpt_dataset, "INT32_INDEX_LIMIT", 0)
+        wide = gpt_dataset.build_sample_index(lengths, document_index, seq_length, tokens)
+        monkeypatch.undo()
+        assert narrow.dtype == np.int32 and wide.dtype == np.int64 and np.array_equal(narrow, wide)
+
+
 def test_blending_indices_equal_megatron_helper():
     *_, helpers = _megatron_datasets_modules()
     rng = np.random.default_rng(2)

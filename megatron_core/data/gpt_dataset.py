@@ -21,6 +21,7 @@ with `np.repeat`, no per-sample Python.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import hashlib
@@ -28,7 +29,7 @@ import json
 import os
 import re
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -144,6 +145,9 @@ def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.
     return np.concatenate((first, last))
 
 
+INT32_INDEX_LIMIT = np.iinfo(np.int32).max  # beyond it the sample index is int64
+
+
 def build_sample_index(sequence_lengths: np.ndarray, document_index: np.ndarray, seq_length: int, tokens_in_index: int) -> np.ndarray:
     """[num_samples + 1, 2] rows (position in document_index, token offset), num_samples = (tokens-1)//S.
 
@@ -154,32 +158,35 @@ def build_sample_index(sequence_lengths: np.ndarray, document_index: np.ndarray,
     if seq_length < 2:
         raise GPTDatasetError(f"seq_length {seq_length} must be at least 2")
     num_samples = (tokens_in_index - 1) // seq_length
-    wide = max(document_index.shape[0], int(sequence_lengths.max())) > np.iinfo(np.int32).max
-    dtype = np.int64 if wide else np.int32
+    size = num_samples + 1
+    wide = max(document_index.shape[0], int(sequence_lengths.max()), size) > INT32_INDEX_LIMIT
 
-    lengths = sequence_lengths[document_index].astype(np.int64)
-    ends = np.cumsum(lengths)
+    ends = np.cumsum(np.take(sequence_lengths.astype(np.int64), document_index))
     assert int(ends[-1]) == tokens_in_index, (int(ends[-1]), tokens_in_index)
-    starts = ends - lengths
+    starts = np.empty_like(ends)
+    starts[0] = 0
+    starts[1:] = ends[:-1]
     # Samples whose first token lies in document position p: k with starts[p] <= k*S < ends[p].
-    first_sample = (starts + (seq_length - 1)) // seq_length
-    samples_starting = (ends + (seq_length - 1)) // seq_length - first_sample
-    del lengths, ends, first_sample
-
-    sample_index = np.empty((num_samples + 1, 2), dtype=dtype)
-    positions = np.repeat(np.arange(document_index.shape[0], dtype=dtype), samples_starting)
-    assert positions.shape[0] == num_samples + 1
-    sample_index[:, 0] = positions
-    del positions
-    if wide:
-        sample_index[:, 1] = np.arange(num_samples + 1, dtype=np.int64) * seq_length - np.repeat(starts, samples_starting)
+    if seq_length & (seq_length - 1) == 0:  # the usual power of two: shifts, not int64 divisions
+        shift = seq_length.bit_length() - 1
+        counts = (ends + (seq_length - 1)) >> shift
+        counts -= (starts + (seq_length - 1)) >> shift
     else:
-        # offset = k*S - start of its document, < 2**31; computed mod 2**32 in uint32 it is exact
-        # and needs half the memory traffic of int64.
-        offsets = np.arange(num_samples + 1, dtype=np.uint32)
-        offsets *= np.uint32(seq_length)
-        offsets -= np.repeat(starts.astype(np.uint32), samples_starting)
-        sample_index[:, 1] = offsets.view(np.int32)
+        counts = (ends + (seq_length - 1)) // seq_length
+        counts -= (starts + (seq_length - 1)) // seq_length
+    del ends
+
+    dtype = np.int64 if wide else np.int32
+    sample_index = np.empty((size, 2), dtype=dtype)
+    sample_index[:, 0] = np.repeat(np.arange(document_index.shape[0], dtype=dtype), counts)
+    if wide:
+        np.subtract(np.arange(size, dtype=np.int64) * seq_length, np.repeat(starts, counts), out=sample_index[:, 1])
+    else:
+        # offset = k*S - start of its document, < 2**31; computed mod 2**32 in uint32 it is exact and
+        # needs half the memory traffic of int64. Written straight into the strided column.
+        offsets = sample_index[:, 1].view(np.uint32)
+        np.multiply(np.arange(size, dtype=np.uint32), np.uint32(seq_length), out=offsets)
+        np.subtract(offsets, np.repeat(starts.astype(np.uint32), counts), out=offsets)
     # Megatron's loop starts at (0, 0) even when the first documents are empty.
     sample_index[0] = (0, 0)
     return sample_index
@@ -203,9 +210,17 @@ class GPTIndices:
     sample_index: np.ndarray
     shuffle_index: np.ndarray
 
+    def arrays(self) -> Dict[str, np.ndarray]:
+        """By name, not copied (dataclasses.asdict deep-copies arrays: half a second at this size)."""
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
 
-def build_gpt_indices(sequence_lengths: np.ndarray, documents: np.ndarray, seq_length: int, num_samples: Optional[int], seed: int) -> GPTIndices:
-    """The three indices for one split: documents are its sequence ids, sequence_lengths the whole dataset's."""
+
+def build_gpt_indices(sequence_lengths: np.ndarray, documents: np.ndarray, seq_length: int, num_samples: Optional[int],
+                      seed: int, sink: Optional[Callable[[str, np.ndarray], None]] = None) -> GPTIndices:
+    """The three indices for one split: documents are its sequence ids, sequence_lengths the whole dataset's.
+    `sink(name, array)` is handed each index as soon as it is built (the cache writes it to disk while
+    the shuffle index is still being drawn)."""
+    sink = sink or (lambda name, array: None)
     tokens_per_epoch = int(np.sum(sequence_lengths[documents], dtype=np.int64))
     if tokens_per_epoch < 2:
         raise GPTDatasetError(
@@ -218,11 +233,21 @@ def build_gpt_indices(sequence_lengths: np.ndarray, documents: np.ndarray, seq_l
     start = time.perf_counter()
     document_index = build_document_index(documents, plan.num_epochs, rng, plan.separate_last_epoch)
     t_doc = time.perf_counter()
+    total = (plan.num_epochs * tokens_per_epoch - 1) // seq_length
+    num_first = plan.samples_before_last_epoch if plan.separate_last_epoch else total
     sample_index = build_sample_index(sequence_lengths, document_index, seq_length, plan.num_epochs * tokens_per_epoch)
     t_sample = time.perf_counter()
-    total = sample_index.shape[0] - 1
-    shuffle_index = build_shuffle_index(plan.samples_before_last_epoch if plan.separate_last_epoch else total, total, rng)
+    assert sample_index.shape[0] - 1 == total, (sample_index.shape, total)
+    # numpy's shuffle releases the GIL: the shuffle index is drawn on a second core while the first two
+    # indices are written out (drawing it beside the sample index instead was slower: both are memory-bound).
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        shuffled = pool.submit(build_shuffle_index, num_first, total, rng)
+        sink("document_index", document_index)
+        sink("sample_index", sample_index)
+        shuffle_index = shuffled.result()
     t_shuffle = time.perf_counter()
+    sink("shuffle_index", shuffle_index)
+    assert sample_index.shape[0] - 1 == total, (sample_index.shape, total)
     log(
         f"  {plan.num_epochs} epoch(s) of {tokens_per_epoch} tokens, separate last epoch: "
         f"{plan.separate_last_epoch}, {total} samples; document index {t_doc - start:.2f} s, "
@@ -257,6 +282,7 @@ class IndexCache:
         self.key = hashlib.sha256(text.encode()).hexdigest()[:20]
         self.base = f"{self.key}-{kind}"
         self.names = tuple(names)
+        self._saved: set = set()
 
     def path(self, name: str) -> str:
         return os.path.join(self.cache_dir, f"{self.base}-{name}.npy")
@@ -270,10 +296,16 @@ class IndexCache:
             os.path.isfile(self.path(n)) for n in self.names
         )
 
-    def save(self, arrays: Dict[str, np.ndarray]) -> None:
+    def save_array(self, name: str, array: np.ndarray) -> None:
         os.makedirs(self.cache_dir, exist_ok=True)
+        _save_npy_atomic(self.path(name), array)
+        self._saved.add(name)
+
+    def save(self, arrays: Dict[str, np.ndarray]) -> None:
+        """Writes the arrays not written yet by save_array, then the description."""
         for name in self.names:
-            _save_npy_atomic(self.path(name), arrays[name])
+            if name not in self._saved:
+                self.save_array(name, arrays[name])
         # The description goes last: its presence says every array before it is complete.
         temporary = f"{self.description_path}.tmp-{os.getpid()}"
         with open(temporary, "w") as handle:
@@ -292,9 +324,9 @@ def load_or_build(cache: IndexCache, build, what: str) -> Dict[str, np.ndarray]:
     """Rank 0 builds and saves what the cache lacks; after a barrier every rank memory-maps it."""
     if cache.cache_dir is None:
         log(f"{what}: no cache_dir, building in memory (nothing saved)")
-        return _timed_build(build, what)
+        return _timed_build(functools.partial(build, sink=None), what)
     if _rank() == 0 and not cache.is_complete():
-        arrays = _timed_build(build, what)
+        arrays = _timed_build(functools.partial(build, sink=cache.save_array), what)
         cache.save(arrays)
         log(f"{what}: saved {cache.base}-*.npy in {cache.cache_dir}")
     if _distributed():
@@ -391,9 +423,9 @@ def _gpt_split_datasets(prefix: str, indexed, split: str, seq_length: int, sizes
         cache = IndexCache(cache_dir, description, f"gpt-{name}", ("document_index", "sample_index", "shuffle_index"))
         documents = np.arange(begin, end, dtype=np.int32)
 
-        def build(documents=documents, size=size):
+        def build(documents=documents, size=size, sink=None):
             BUILD_COUNTER["gpt"] += 1
-            return dataclasses.asdict(build_gpt_indices(sequence_lengths, documents, seq_length, size, seed))
+            return build_gpt_indices(sequence_lengths, documents, seq_length, size, seed, sink).arrays()
 
         indices = load_or_build(cache, build, f"{name} split of {os.path.basename(prefix)} ({size} samples)")
         dataset = GPTDataset(indexed, indices, seq_length, name, eod_mask_token)
@@ -454,7 +486,7 @@ def _blended_datasets(prefixes, weights, split, seq_length, num_samples, seed, c
         }
         cache = IndexCache(cache_dir, description, f"blend-{name}", ("dataset_index", "dataset_sample_index"))
 
-        def build(size=size):
+        def build(size=size, sink=None):  # small arrays: saved together at the end
             BUILD_COUNTER["blend"] += 1
             dataset_index, dataset_sample_index = blending.timed_blending_indices(blend_weights, size, log)
             return {"dataset_index": dataset_index, "dataset_sample_index": dataset_sample_index}
