@@ -29,7 +29,6 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-from megatron_core.data import sentence_split
 from megatron_core.data.indexed_dataset import IMPLS, IndexedDatasetBuilder, best_token_dtype
 from megatron_core.data.tokenizer import ENGINES, GPT2BPETokenizer
 from megatron_core.errors import UserError
@@ -154,9 +153,11 @@ class _Encoder:
         self.append_eod = args.append_eod
         self.tokenizer = GPT2BPETokenizer(args.vocab_file, args.merge_file, engine=engine, quiet=True)
         self.dtype = best_token_dtype(self.tokenizer.vocab_size)
-        self.splitter = (
-            sentence_split.make_splitter(punkt_params, args.keep_newlines) if punkt_params is not None else None
-        )
+        self.splitter = None
+        if punkt_params is not None:
+            from megatron_core.data import sentence_split  # nltk: only for --split-sentences
+
+            self.splitter = sentence_split.make_splitter(punkt_params, args.keep_newlines)
 
     def encode_chunk(self, chunk: _Chunk):
         """Per line: ("ok", {key: (tokens, sentence lengths)}, bytes) or ("bad", line number, why)."""
@@ -269,6 +270,8 @@ def preprocess(args: argparse.Namespace) -> dict:
     dtype = best_token_dtype(tokenizer.vocab_size)
     punkt_params = None
     if args.split_sentences:
+        from megatron_core.data import sentence_split
+
         punkt_params = sentence_split.train_punkt(_iter_texts(files, args.json_keys))
         _log("sentence splitter: punkt trained on the first 4 MB of the input (no download)")
     level = "sentence" if args.split_sentences else "document"
