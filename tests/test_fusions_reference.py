@@ -77,6 +77,26 @@ def test_cross_entropy_reference_is_f_cross_entropy(dtype):
                                atol=1e-6 if dtype == torch.float32 else 1e-3)
 
 
+def test_cross_entropy_inplace_reuses_the_logits_and_gives_the_same_loss_and_gradient():
+    hidden = torch.randn(33, 16, requires_grad=True)
+    head = torch.randn(1000, 16, requires_grad=True)
+    labels = torch.randint(0, 1000, (33,))
+    logits = hidden @ head.t()  # a fresh activation, read by nothing but the loss (as in the model)
+    before = logits.detach().clone()
+    loss = cross_entropy(logits, labels, backend="torch", inplace=True)
+    assert not torch.equal(logits.detach(), before)  # its buffer now holds exp(x - max)
+    expected = F.cross_entropy(before, labels, reduction="none")
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+    dy = torch.rand(33)
+    grads = torch.autograd.grad(loss, (hidden, head), dy, retain_graph=True)
+    full_h, full_w = hidden.detach().requires_grad_(), head.detach().requires_grad_()
+    reference = F.cross_entropy(full_h @ full_w.t(), labels, reduction="none")
+    for got, want in zip(grads, torch.autograd.grad(reference, (full_h, full_w), dy)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="cannot be backpropagated twice"):
+        torch.autograd.grad(loss, hidden, dy)
+
+
 def test_resolve_backends_on_cpu_and_overrides():
     auto = resolve_backends("auto", device="cpu")
     assert auto == FusionBackends(device="cpu")

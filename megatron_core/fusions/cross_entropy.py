@@ -41,18 +41,22 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     Forward: exp(x - max) is computed once into one fp32 buffer (the row max all-reduced across TP),
     summed, and the sum is all-reduced together with the target logit. The buffer is saved; backward
     turns it into (softmax - onehot) x grad in place, so the exponentials are computed once per step
-    and no other tensor the size of the logits is made.
+    and no other tensor the size of the logits is made. With `inplace` (fp32 logits that nothing else
+    reads, as in the model's loss) that buffer is the logits tensor itself, as in Megatron.
     """
 
     @staticmethod
-    def forward(ctx, logits, labels, group, vocab_start_index):
+    def forward(ctx, logits, labels, group, vocab_start_index, inplace=False):
         ctx.logits_dtype = logits.dtype
         local_labels = labels.to(torch.int64) - vocab_start_index
         in_shard = (local_labels >= 0) & (local_labels < logits.shape[-1])
         safe_labels = torch.where(in_shard, local_labels, torch.zeros_like(local_labels))
         global_max = all_reduce_max(logits.amax(dim=-1).float(), group)
         target = logits.gather(-1, safe_labels.unsqueeze(-1)).squeeze(-1).float() - global_max
-        exp_logits = torch.sub(logits, global_max.unsqueeze(-1)).exp_()  # fp32 by type promotion
+        if inplace and logits.dtype == torch.float32:
+            exp_logits = logits.sub_(global_max.unsqueeze(-1)).exp_()  # no fresh buffer to fault in
+        else:
+            exp_logits = torch.sub(logits, global_max.unsqueeze(-1)).exp_()  # fp32 by type promotion
         sum_exp, target = all_reduce_sum(torch.stack([exp_logits.sum(dim=-1), target * in_shard]), group).unbind(0)
         ctx.save_for_backward(exp_logits, sum_exp, safe_labels, in_shard)
         ctx.backward_done = False
@@ -68,17 +72,18 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         dloss = dloss.float()
         grad = exp_logits.mul_((dloss / sum_exp).unsqueeze(-1))  # softmax x grad, in the saved buffer
         grad.scatter_add_(-1, safe_labels.unsqueeze(-1), (-dloss * in_shard).unsqueeze(-1))
-        return grad.to(ctx.logits_dtype), None, None, None
+        return grad.to(ctx.logits_dtype), None, None, None, None
 
 
 def cross_entropy_reference(logits: torch.Tensor, labels: torch.Tensor, group=None,
-                            vocab_start_index: int = 0) -> torch.Tensor:
-    return VocabParallelCrossEntropy.apply(logits, labels, group, vocab_start_index)
+                            vocab_start_index: int = 0, inplace: bool = False) -> torch.Tensor:
+    return VocabParallelCrossEntropy.apply(logits, labels, group, vocab_start_index, inplace)
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, group=None, vocab_start_index: int = 0,
-                  backend: str = "auto") -> torch.Tensor:
-    """Per-token loss [...] (fp32) of `logits` [..., V_local] against int `labels` [...]."""
+                  backend: str = "auto", inplace: bool = False) -> torch.Tensor:
+    """Per-token loss [...] (fp32) of `logits` [..., V_local] against int `labels` [...].
+    `inplace=True` lets the torch backend overwrite fp32 `logits` (only when nothing else reads them)."""
     if labels.shape != logits.shape[:-1]:
         raise UserError(f"cross_entropy labels {tuple(labels.shape)} must match logits {tuple(logits.shape)} "
                         "without its last (vocab) dimension")
@@ -91,4 +96,4 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, group=None, voc
         from megatron_core.fusions.triton_kernels.cross_entropy import cross_entropy as triton_cross_entropy
 
         return triton_cross_entropy(logits, labels, group, vocab_start_index)
-    return cross_entropy_reference(logits, labels, group, int(vocab_start_index))
+    return cross_entropy_reference(logits, labels, group, int(vocab_start_index), inplace)

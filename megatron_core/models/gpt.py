@@ -93,7 +93,9 @@ class ElementwiseOps:
         return kernels.scaled_causal_softmax(scores, scale, backend=self.backends.softmax)
 
     def cross_entropy(self, vocab_parallel_logits, labels):
-        return vocab_parallel_cross_entropy(vocab_parallel_logits, labels, backend=self.backends.cross_entropy)
+        # The logits are the head's fresh output, read by nothing else: the loss may reuse their buffer.
+        return vocab_parallel_cross_entropy(vocab_parallel_logits, labels, backend=self.backends.cross_entropy,
+                                            inplace=True)
 
 
 # ----------------------------------------------------------------------------------------------
