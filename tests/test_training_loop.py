@@ -134,3 +134,17 @@ def test_megatron_log_line_format(first_run, capsys, corpus, tmp_path):
                          "3.000000E-03 | global batch size:    32 | lm loss: 5.432100E+00 | loss scale: 1.0 | "
                          "grad norm: 0.750 | number of skipped iterations:   0 | number of nan iterations:   0 |")
     assert line.startswith(" [20")
+
+
+def test_compile_true_trains_like_eager(corpus, tmp_path):
+    """`compile: true` (inductor on this CPU) runs the same training: same losses within fp32 noise
+    (dropout off: compiled kernels draw their own masks)."""
+    losses = {}
+    for compile_ in ("false", "true"):
+        run_dir = tmp_path / f"compile-{compile_}"
+        train(tiny_recipe("train_iters=6", "save_interval=null", "eval_interval=6", "hidden_dropout=0",
+                          "attention_dropout=0", f"training.compile={compile_}"), run_dir, corpus, vocab_size=VOCAB_SIZE)
+        losses[compile_] = train_losses(read_metrics(run_dir))
+    assert sorted(losses["true"]) == sorted(losses["false"]) == list(range(1, 7))
+    for it, loss in losses["true"].items():
+        assert loss == pytest.approx(losses["false"][it], rel=1e-4), it
