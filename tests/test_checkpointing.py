@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -281,3 +283,15 @@ def test_distributed_optimizer_shards_saved_beside_and_resumed_exactly(corpus, t
     resumed = run_distributed(_dp2_train, 2, str(tmp_path / "resumed"), corpus, 8)[0]
     assert {k: v for k, v in resumed.items() if k > 4} == {k: v for k, v in full.items() if k > 4}
     assert min(resumed) == 5
+
+
+def test_megatron_lm_rng_state_with_numpy_arrays_loads_safely(tmp_path):
+    """Megatron-LM stores np.random.get_state() (an ndarray inside) in rng_state; the allow-list takes
+    plain numpy arrays (arbitrary objects stay refused: test_load_refuses_unlisted_globals_and_garbage)."""
+    state = {"args": argparse.Namespace(num_layers=2), "iteration": 7,
+             "rng_state": [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+                            "torch_rng_state": torch.get_rng_state()}]}
+    torch.save(state, tmp_path / "megatron_lm.pt")
+    loaded = ckpt.load_checkpoint_file(tmp_path / "megatron_lm.pt")
+    np_state = loaded["rng_state"][0]["np_rng_state"]
+    assert np_state[0] == "MT19937" and np.array_equal(np_state[1], np.random.get_state()[1])

@@ -59,6 +59,25 @@ def test_convert_refuses_an_occupied_target_and_import_hf_round_trips(smoke_pipe
     assert sorted(p.name for p in (tmp_path / "ckpt" / "release").iterdir()) == ["mp_rank_00", "mp_rank_01"]
 
 
+def test_training_continues_from_an_imported_hf_model(smoke_pipeline, tmp_path):
+    """import-hf writes a weights-only (`release`) checkpoint; `invoke train --load` starts from those
+    weights with a fresh optimizer, the way Megatron-LM starts from a release checkpoint."""
+    workdir, run, _ = smoke_pipeline
+    ckpt = tmp_path / "imported"
+    assert invoke("import-hf", "--model", str(run / "hf"), "--save", str(ckpt)).returncode == 0
+    proc = invoke("train", "--recipe", "smoke", "--workdir", str(workdir), "--set", "train_iters=4",
+                  "--set", "save_interval=null", "--load", str(ckpt))
+    assert proc.returncode == 0, proc.stdout[-1500:] + proc.stderr[-1500:]
+    assert f"initialized the model from the weights in {ckpt / 'release'}" in proc.stdout + proc.stderr
+    trained = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    continued_run = next(p for p in (workdir / "smoke" / "runs").iterdir() if p != run)
+    continued = [json.loads(line) for line in (continued_run / "metrics.jsonl").read_text().splitlines()]
+    first_trained = next(m["lm_loss"] for m in trained if m["type"] == "train")
+    last_trained = [m["lm_loss"] for m in trained if m["type"] == "train"][-1]
+    first_continued = next(m["lm_loss"] for m in continued if m["type"] == "train")
+    assert first_continued < first_trained - 0.2 and abs(first_continued - last_trained) < 0.2
+
+
 def test_docker_tasks_dry_run(tmp_path):
     build = invoke("docker.build", "--dry-run", "--tag", "img:t")
     assert build.returncode == 0 and build.stdout.startswith("docker build -f docker/Dockerfile --build-arg NGC_TAG=")

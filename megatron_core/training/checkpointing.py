@@ -30,8 +30,21 @@ TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 MODEL_FILENAME = "model_optim_rng.pt"
 DISTRIB_OPTIM_FILENAME = "distrib_optim.pt"  # the distributed optimizer's gathered shards, beside the model file
 
-# What our checkpoint files hold beyond tensors and plain containers.
-SAFE_GLOBALS = [argparse.Namespace]
+RELEASE = "release"  # the tracker's word for a checkpoint of weights only (import-hf, Megatron-LM releases)
+
+
+def _numpy_array_globals() -> list:
+    """What unpickling a plain numpy array needs: Megatron-LM saves np.random.get_state() in rng_state."""
+    try:
+        from numpy._core.multiarray import _reconstruct  # numpy >= 2
+    except ImportError:  # pragma: no cover - numpy 1.x
+        from numpy.core.multiarray import _reconstruct
+    dtype_classes = [type(np.dtype(t)) for t in (np.uint32, np.int64, np.float64, np.float32, np.int32)]
+    return [_reconstruct, np.ndarray, np.dtype, *dtype_classes]
+
+
+# What checkpoint files (ours and Megatron-LM's) hold beyond tensors and plain containers.
+SAFE_GLOBALS = [argparse.Namespace, *_numpy_array_globals()]
 
 
 class CheckpointError(UserError):
@@ -92,8 +105,8 @@ def flatten_model_state(nested: dict) -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------------------------------------
 
 
-def iteration_dir(save: Path, iteration: int) -> Path:
-    return Path(save) / f"iter_{iteration:07d}"
+def iteration_dir(save: Path, iteration) -> Path:
+    return Path(save) / (RELEASE if iteration == RELEASE else f"iter_{iteration:07d}")
 
 
 def rank_dirname(tp_rank: int, pp_rank: int, pp_size: int) -> str:
@@ -104,14 +117,15 @@ def checkpoint_file(save: Path, iteration: int, tp_rank: int = 0, pp_rank: int =
     return iteration_dir(save, iteration) / rank_dirname(tp_rank, pp_rank, pp_size) / MODEL_FILENAME
 
 
-def read_tracker(load: Path) -> Optional[int]:
-    """The latest iteration saved under `load`, or None when there is no checkpoint there."""
+def read_tracker(load: Path):
+    """The latest iteration saved under `load` (an int, or "release" for weights only), or None when
+    there is no checkpoint there."""
     tracker = Path(load) / TRACKER_FILENAME
     if not tracker.exists():
         return None
     text = tracker.read_text().strip()
-    if text == "release":
-        return 0
+    if text == RELEASE:
+        return RELEASE
     try:
         return int(text)
     except ValueError:
@@ -324,6 +338,14 @@ def load_latest(load, *, required: bool = False) -> Optional[tuple[int, dict]]:
             raise CheckpointError(f"no checkpoint under {load} (no {TRACKER_FILENAME}); check --load")
         return None
     path = _my_rank_file(load, iteration)
+    if not path.exists() and iteration_dir(load, iteration).is_dir():
+        written = sorted(p.name for p in iteration_dir(load, iteration).iterdir() if p.is_dir())
+        raise CheckpointError(
+            f"{iteration_dir(load, iteration)} has no {path.parent.name} (it holds {', '.join(written) or 'nothing'}): "
+            f"it was written with another TP x PP layout than this run's "
+            f"{parallel_state.get_tensor_model_parallel_world_size()} x "
+            f"{parallel_state.get_pipeline_model_parallel_world_size()}; resume with that layout, or re-split it "
+            "(invoke convert, then invoke import-hf --tp N --pp M)")
     return iteration, load_checkpoint_file(path)
 
 

@@ -98,10 +98,13 @@ class Trainer:
             self.logger.info(f"no checkpoint in {self.load_dir}: starting from scratch")
             return
         iteration, state = found
+        if iteration == ckpt.RELEASE or "recipe" not in state:
+            self._start_from_weights(state, ckpt.iteration_dir(self.load_dir, iteration))
+            return
         changed = ckpt.check_recipe_compatible(self.recipe, state["recipe"], state["recipe_hash"], self.load_dir)
         if changed:
             self.logger.info(f"resuming with changed resume-safe keys: {', '.join(changed)}")
-        self._unwrapped().load_state_dict(ckpt.flatten_model_state(state["model"]))
+        self._load_model_weights(state, self.load_dir)
         if "optimizer" in state and "opt_param_scheduler" in state:
             self.optimizer.load_state_dict(state["optimizer"])
             if hasattr(self.optimizer, "load_sharded_state_dict"):
@@ -122,6 +125,21 @@ class Trainer:
         self.logger.info(f"resumed from {ckpt.iteration_dir(self.load_dir, iteration)} at iteration {iteration} "
                          f"({self.state.consumed_train_samples} samples consumed)")
 
+    def _load_model_weights(self, state: dict, where: Path) -> None:
+        try:
+            self._unwrapped().load_state_dict(ckpt.flatten_model_state(state["model"]))
+        except RuntimeError as exc:  # shapes or names that do not fit this recipe's model
+            first = str(exc).splitlines()
+            raise ckpt.CheckpointError(f"the weights in {where} do not fit this recipe's model "
+                                       f"({' '.join(line.strip() for line in first[1:3]) or first[0]}); "
+                                       "check num_layers, hidden_size, heads and the (padded) vocabulary") from None
+
+    def _start_from_weights(self, state: dict, where: Path) -> None:
+        """A weights-only checkpoint (import-hf's `release`, or a foreign one without our training state):
+        Megatron's way, the model starts from it and everything else (optimizer, LR, data) from zero."""
+        self._load_model_weights(state, where)
+        self.logger.info(f"initialized the model from the weights in {where}; optimizer, learning-rate schedule "
+                         "and data position start from zero")
     def _unwrapped(self) -> torch.nn.Module:
         return getattr(self.model, "module", self.model)
 
