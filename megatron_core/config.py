@@ -188,6 +188,7 @@ RESUME_SAFE_KEYS = frozenset(
         "training.lr_decay_iters",
         "training.device",
         "description",
+        "hardware",
         "version",
         "evaluate",
     }
@@ -253,14 +254,18 @@ class Recipe:
         redo the corpus, and a change of the corpus redoes everything downstream)."""
         d = self.to_dict()
         parts = {"corpus": {"corpus": d["corpus"]}}
-        parts["tokenizer"] = {**parts["corpus"], "tokenizer": d["tokenizer"]}
+        # a trained tokenizer learns from the texts under data.json_keys
+        parts["tokenizer"] = {**parts["corpus"], "tokenizer": d["tokenizer"], "json_keys": d["data"]["json_keys"]}
         preprocess_keys = ("json_keys", "append_eod", "split_sentences", "keep_newlines", "dataset_impl")
         parts["preprocess"] = {
             **parts["tokenizer"],
             "data": {k: d["data"][k] for k in preprocess_keys},
         }
+        # the run (training, its checkpoints, the converted model) depends on everything but how it is
+        # evaluated afterwards and the prose: `--set evaluate...` finds the same run
+        parts["train"] = {k: v for k, v in d.items() if k not in ("evaluate", "description", "hardware")}
         if stage not in parts:
-            parts[stage] = d  # training and everything after it depend on the whole recipe
+            raise ValueError(f"unknown stage {stage!r}; one of {', '.join(parts)}")
         return canonical_hash(parts[stage])
 
     def diff(self, other: dict) -> list[str]:
@@ -404,6 +409,7 @@ def validate(recipe: Recipe) -> None:
         "training.train_iters": t.train_iters,
         "training.log_interval": t.log_interval,
         "training.eval_interval": t.eval_interval,
+        "model.make_vocab_size_divisible_by": m.make_vocab_size_divisible_by,
     }
     problems += [f"{k} must be >= 1 (got {v})" for k, v in positive.items() if v < 1]
     if problems:

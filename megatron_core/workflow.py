@@ -171,12 +171,19 @@ def _fetch_hub_tokenizer(name: str, revision: str, out: Path) -> None:
 
 
 def _iter_corpus_texts(path: Path, keys: list):
+    found, other_keys = 0, set()
     with open(path, encoding="utf-8") as f:
         for line in f:
             doc = json.loads(line)
             for key in keys:
                 if isinstance(doc.get(key), str):
+                    found += 1
                     yield doc[key]
+            if not found:
+                other_keys.update(k for k, v in doc.items() if isinstance(v, str))
+    if not found and other_keys:
+        raise UserError(f"the corpus {path} has no text under data.json_keys {list(keys)}; its documents have "
+                        f"{', '.join(sorted(other_keys))}: set data.json_keys (e.g. --set data.json_keys=[content])")
 
 
 def preprocess(recipe: Recipe, workdir, force: bool = False) -> Step:
@@ -222,7 +229,8 @@ def data_prefixes(recipe: Recipe, workdir) -> list:
 
 
 def run_dir(recipe: Recipe, workdir) -> Path:
-    return recipe_root(recipe, workdir) / "runs" / recipe.hash
+    """Named by the train stage's hash: a change of how the run is evaluated keeps the run."""
+    return recipe_root(recipe, workdir) / "runs" / recipe.stage_hash("train")
 
 
 def describe_outputs(recipe: Recipe, workdir) -> dict:

@@ -77,6 +77,7 @@ def test_wrong_type_names_key_value_and_expected_type():
         ({"model": {"num_layers": 12}, "parallel": {"world_size": 5, "pipeline_model_parallel_size": 5}}, "not divisible by PP 5"),
         ({"model": {"seq_length": 2048, "max_position_embeddings": 1024}}, "seq_length 2048 > model.max_position_embeddings 1024"),
         ({"parallel": {"world_size": 6, "tensor_model_parallel_size": 4}}, "world_size 6 is not divisible"),
+        ({"model": {"make_vocab_size_divisible_by": 0}}, "model.make_vocab_size_divisible_by must be >= 1"),
         ({"parallel": {"sequence_parallel": True}}, "sequence_parallel needs tensor_model_parallel_size > 1"),
         ({"training": {"fp16": True, "bf16": True}}, "choose one"),
         ({"data": {"split": "a,b"}}, "data.split"),
@@ -127,6 +128,10 @@ def test_stage_hashes_follow_what_each_stage_depends_on():
     assert base.stage_hash("tokenizer") != vocab.stage_hash("tokenizer")
     assert base.stage_hash("preprocess") != vocab.stage_hash("preprocess")
     assert base.stage_hash("corpus") != docs.stage_hash("corpus")
+    keys = load_recipe("smoke", ["data.json_keys=[text]"])  # the tokenizer is trained on these texts
+    assert base.stage_hash("corpus") == keys.stage_hash("corpus") and base.stage_hash("tokenizer") != keys.stage_hash("tokenizer")
+    evaluation = load_recipe("smoke", ["evaluate.humaneval_num_samples=8"])  # how a run is evaluated
+    assert evaluation.hash != base.hash and evaluation.stage_hash("train") == base.stage_hash("train")
 
 
 def test_every_shipped_recipe_loads():

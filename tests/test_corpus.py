@@ -101,4 +101,12 @@ def test_bad_sources_leave_no_file(tmp_path):
         build_corpus([{"type": "jsonl", "paths": [str(bad)]}], tmp_path / "x.jsonl")
     with pytest.raises(UserError, match="matches no file"):
         build_corpus([{"type": "jsonl", "paths": [str(tmp_path / "none*.jsonl")]}], tmp_path / "x.jsonl")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(json.dumps({"content": "ok"}).encode() + b"\n" + b'{"content": "caf\xe9"}\n')
+    with pytest.raises(UserError, match=r"latin\.jsonl line 2: not UTF-8 .*re-encode"):
+        build_corpus([{"type": "jsonl", "paths": [str(latin)]}], tmp_path / "x.jsonl")
+    fake_gz = tmp_path / "plain.jsonl.gz"
+    fake_gz.write_text(json.dumps({"content": "not compressed"}) + "\n")
+    with pytest.raises(UserError, match=r"cannot read .*plain\.jsonl\.gz: BadGzipFile"):
+        build_corpus([{"type": "jsonl", "paths": [str(fake_gz)]}], tmp_path / "x.jsonl")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "latin.jsonl", "plain.jsonl.gz"]

@@ -78,3 +78,10 @@ def test_invoke_recipes_lists_every_recipe():
     assert lines[0].split()[:4] == ["name", "version", "family", "GPUs"]
     row = next(line for line in lines if line.startswith("codeparrot-small-8gpu"))
     assert row.split()[3] == "8" and "111M" in row and "29.5B" in row
+
+
+def test_tokenizer_on_keys_the_corpus_lacks_says_which_keys_it_has(workdir):
+    r = load_recipe("smoke", ["data.json_keys=[text]"])  # Megatron's default key; our corpus writes `content`
+    with pytest.raises(UserError, match=r"no text under data.json_keys \['text'\].*content.*data.json_keys"):
+        workflow.tokenizer(r, workdir)
+    assert not list((workdir / "smoke").glob(f"tokenizer-{r.stage_hash('tokenizer')}*"))  # nothing half-made

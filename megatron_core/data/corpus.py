@@ -62,18 +62,31 @@ def _jsonl_documents(source: dict) -> Iterator[dict]:
         if not files:
             raise UserError(f"corpus source jsonl: {pattern} matches no file; check the path")
         for path in files:
-            opener = gzip.open if path.endswith(".gz") else open
-            with opener(path, "rt", encoding="utf-8") as f:
-                for number, line in enumerate(f, start=1):
-                    if not line.strip():
-                        continue
-                    try:
-                        doc = json.loads(line)
-                    except ValueError as exc:
-                        raise UserError(f"{path} line {number}: malformed JSON ({exc}); fix the line") from None
-                    if not isinstance(doc, dict) or not isinstance(doc.get(key), str):
-                        raise UserError(f"{path} line {number}: no string under key {key!r}; set the source's 'key'")
-                    yield {"content": doc[key], "path": path, "line": number, "source": "jsonl"}
+            yield from _read_jsonl_file(path, key)
+
+
+def _read_jsonl_file(path: str, key: str) -> Iterator[dict]:
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rb") as f:
+            for number, raw in enumerate(f, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise UserError(f"{path} line {number}: not UTF-8 ({exc.reason} at column {exc.start + 1}); "
+                                    "re-encode the file as UTF-8") from None
+                if not line.strip():
+                    continue
+                try:
+                    doc = json.loads(line)
+                except ValueError as exc:
+                    raise UserError(f"{path} line {number}: malformed JSON ({exc}); fix the line") from None
+                if not isinstance(doc, dict) or not isinstance(doc.get(key), str):
+                    raise UserError(f"{path} line {number}: no string under key {key!r}; set the source's 'key'")
+                yield {"content": doc[key], "path": path, "line": number, "source": "jsonl"}
+    except (OSError, EOFError) as exc:  # gzip.BadGzipFile is an OSError
+        raise UserError(f"cannot read {path}: {type(exc).__name__}: {exc}; check the file "
+                        "(a truncated or mislabelled .gz?)") from None
 
 
 def _hf_documents(source: dict) -> Iterator[dict]:
