@@ -130,8 +130,20 @@ def preprocess(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, for
 # ----------------------------------------------------------------------------------------------
 
 
-def _train_command(r: config.Recipe, recipe: str, set_, workdir, nproc, nnodes, node_rank, master_addr,
-                   master_port, rdzv_endpoint, load, no_save_optim) -> list[str]:
+def _launch_recipe(r: config.Recipe, recipe: str, set_, nproc: int, nnodes: int):
+    """(the recipe as the started processes resolve it, its overrides, processes per node). By default
+    the recipe's world size is split over the nodes; an explicit --nproc that makes another world size
+    is written into the overrides here, so the run directory and the processes' recipe hash agree."""
+    nproc = nproc or max(1, r.parallel.world_size // max(nnodes, 1))
+    overrides = list(set_ or [])
+    if nproc * nnodes != r.parallel.world_size:
+        overrides.append(f"parallel.world_size={nproc * nnodes}")
+        r = config.load_recipe(recipe, overrides)
+    return r, overrides, nproc
+
+
+def _train_command(r: config.Recipe, overrides, nproc, nnodes, node_rank, master_addr, master_port,
+                   rdzv_endpoint, load, no_save_optim, workdir) -> list[str]:
     from megatron_core.launch import torchrun_command
 
     vocab, merges = workflow.tokenizer_files(r, workdir)
@@ -142,13 +154,12 @@ def _train_command(r: config.Recipe, recipe: str, set_, workdir, nproc, nnodes, 
         extra += ["--load", load]
     if no_save_optim:
         extra.append("--no-save-optim")
-    nproc = nproc or max(1, r.parallel.world_size // max(nnodes, 1))
     if nproc * nnodes == 1:
         cmd = [sys.executable, "-m", "megatron_core.train", "--recipe", r.source]
-        for item in set_ or []:
+        for item in overrides:
             cmd += ["--set", item]
         return cmd + extra
-    return torchrun_command(r.source, list(set_ or []), nproc, nnodes=nnodes, node_rank=node_rank,
+    return torchrun_command(r.source, overrides, nproc, nnodes=nnodes, node_rank=node_rank,
                             master_addr=master_addr, master_port=master_port,
                             rdzv_endpoint=rdzv_endpoint, extra_args=extra)
 
@@ -169,9 +180,9 @@ TRAIN_HELP = {
 def train(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, nproc=0, nnodes=1, node_rank=0,
           master_addr="127.0.0.1", master_port=29500, rdzv_endpoint=None, load=None, no_save_optim=False):
     """Train the recipe (running the missing data steps first); prints the run directory."""
-    r = _load(recipe, set_)
-    cmd = _train_command(r, recipe, set_, workdir, nproc, nnodes, node_rank, master_addr, master_port,
-                         rdzv_endpoint, load, no_save_optim)
+    r, overrides, nproc = _launch_recipe(_load(recipe, set_), recipe, set_, nproc, nnodes)
+    cmd = _train_command(r, overrides, nproc, nnodes, node_rank, master_addr, master_port, rdzv_endpoint, load,
+                         no_save_optim, workdir)
     print(f"run directory: {workflow.run_dir(r, workdir)}", flush=True)
     print("+ " + " ".join(cmd), flush=True)
     rc = subprocess.call(cmd)
@@ -192,15 +203,21 @@ def train(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, nproc=0,
     "format": "safetensors | bin | both",
     "dtype": "fp32 | fp16 | bf16",
     "overwrite": "replace an existing model in --save",
+    "vocab_file": "tokenizer vocab.json (default: the run's, or the one the checkpoint names)",
+    "merge_file": "tokenizer merges.txt (with --vocab-file)",
 })
 def convert(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, load=None, iteration="latest",
-            save=None, format="safetensors", dtype="fp32", overwrite=False):
+            save=None, format="safetensors", dtype="fp32", overwrite=False, vocab_file=None, merge_file=None):
     """Convert a Megatron-layout checkpoint (any TP/PP) into a transformers GPT2 directory."""
     from megatron_core.convert import convert_checkpoint
 
     r = _load(recipe, set_)
     run = workflow.run_dir(r, workdir)
-    vocab, merges = workflow.tokenizer_files(r, workdir) if load is None else (None, None)
+    if (vocab_file is None) != (merge_file is None):
+        raise UserError("--vocab-file and --merge-file go together: give both")
+    vocab, merges = vocab_file, merge_file
+    if vocab is None and load is None:
+        vocab, merges = workflow.tokenizer_files(r, workdir)
     summary = convert_checkpoint(
         load=load or str(run / "checkpoints"),
         save=save or str(run / "hf"),
@@ -248,13 +265,28 @@ def evaluate(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, model
 def pipeline(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, humaneval=False,
              allow_code_execution=False):
     """corpus -> tokenizer -> preprocess -> train -> convert -> evaluate, each step only if needed."""
-    train(c, recipe=recipe, set_=set_, workdir=workdir)
     r = config.load_recipe(recipe, list(set_ or []))
-    hf = workflow.run_dir(r, workdir) / "hf"
-    if not (hf / "config.json").exists():
-        convert(c, recipe=recipe, set_=set_, workdir=workdir)
+    if (humaneval or r.evaluate.humaneval) and not allow_code_execution:  # refuse now, not after training
+        raise UserError(f"{'--humaneval' if humaneval else f'recipe {r.name} (evaluate.humaneval: true)'} runs "
+                        "model-written code at the end: add --allow-code-execution, or "
+                        "--set evaluate.humaneval=false for perplexity only")
+    train(c, recipe=recipe, set_=set_, workdir=workdir)
+    run = workflow.run_dir(r, workdir)
+    if _converted_iteration(run / "hf") != _latest_iteration(run / "checkpoints"):
+        convert(c, recipe=recipe, set_=set_, workdir=workdir, overwrite=True)  # none yet, or an older one
     evaluate(c, recipe=recipe, set_=set_, workdir=workdir, humaneval=humaneval,
              allow_code_execution=allow_code_execution)
+
+
+def _latest_iteration(checkpoints: Path):
+    tracker = checkpoints / "latest_checkpointed_iteration.txt"
+    text = tracker.read_text().strip() if tracker.exists() else None
+    return int(text) if text and text.isdigit() else text
+
+
+def _converted_iteration(hf_dir: Path):
+    provenance = hf_dir / "provenance.json"
+    return json.loads(provenance.read_text()).get("iteration") if provenance.exists() else None
 
 
 # ----------------------------------------------------------------------------------------------

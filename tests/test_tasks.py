@@ -42,6 +42,20 @@ def test_pipeline_trains_converts_and_evaluates(smoke_pipeline):
     assert (run / "loss_curve.png").stat().st_size > 0
 
 
+def test_pipeline_reconverts_a_stale_model_and_refuses_humaneval_without_consent(smoke_pipeline, tmp_path):
+    workdir, run, _ = smoke_pipeline
+    provenance = run / "hf" / "provenance.json"
+    stale = json.loads(provenance.read_text())
+    stale["iteration"] = 10  # as if converted before the last 10 iterations were trained
+    provenance.write_text(json.dumps(stale))
+    again = invoke("pipeline", "--recipe", "smoke", "--workdir", str(workdir))
+    assert again.returncode == 0, again.stderr[-1500:]
+    assert json.loads(provenance.read_text())["iteration"] == 20
+    refused = invoke("pipeline", "--recipe", "codeparrot-small-1gpu", "--workdir", str(tmp_path))
+    assert refused.returncode == 2 and "add --allow-code-execution" in refused.stderr
+    assert not any(tmp_path.iterdir())  # refused before any step ran
+
+
 def test_golden_task_checks_the_run(smoke_pipeline):
     workdir, _, _ = smoke_pipeline
     proc = invoke("ci.golden", "--recipe", "smoke", "--workdir", str(workdir))
@@ -76,6 +90,29 @@ def test_training_continues_from_an_imported_hf_model(smoke_pipeline, tmp_path):
     last_trained = [m["lm_loss"] for m in trained if m["type"] == "train"][-1]
     first_continued = next(m["lm_loss"] for m in continued if m["type"] == "train")
     assert first_continued < first_trained - 0.2 and abs(first_continued - last_trained) < 0.2
+
+
+def test_launch_splits_the_recipe_world_over_nodes_and_names_the_run_it_starts(monkeypatch, tmp_path):
+    import tasks
+    from megatron_core import config, workflow
+
+    monkeypatch.setattr(workflow, "tokenizer_files", lambda r, w: (Path("v.json"), Path("m.txt")))
+    monkeypatch.setattr(workflow, "data_prefixes", lambda r, w: ["data/prefix"])
+
+    def launched(nproc, nnodes, set_=()):
+        r, overrides, per_node = tasks._launch_recipe(config.load_recipe("codeparrot-small-8gpu", list(set_)),
+                                                      "codeparrot-small-8gpu", list(set_), nproc, nnodes)
+        cmd = tasks._train_command(r, overrides, per_node, nnodes, 0, "node0", 29500, None, None, False, tmp_path)
+        return r, cmd
+
+    r, cmd = launched(0, 1)  # the recipe's 8 processes on one node
+    assert "--nproc-per-node=8" in cmd and cmd[cmd.index("--run-dir") + 1] == str(workflow.run_dir(r, tmp_path))
+    r, cmd = launched(8, 2)  # --nproc 8 on two nodes: a world of 16, in the run's name and the processes' recipe
+    assert r.parallel.world_size == 16 and "--nproc-per-node=8" in cmd and "--nnodes=2" in cmd
+    assert cmd[cmd.index("--run-dir") + 1] == str(workflow.run_dir(r, tmp_path))
+    assert "parallel.world_size=16" in cmd
+    same, same_cmd = launched(0, 2, ["world_size=16"])  # --set world_size=16 says the same
+    assert "--nproc-per-node=8" in same_cmd and same.stage_hash("train") == r.stage_hash("train")
 
 
 def test_docker_tasks_dry_run(tmp_path):

@@ -148,3 +148,22 @@ def test_compile_true_trains_like_eager(corpus, tmp_path):
     assert sorted(losses["true"]) == sorted(losses["false"]) == list(range(1, 7))
     for it, loss in losses["true"].items():
         assert loss == pytest.approx(losses["false"][it], rel=1e-4), it
+
+
+@pytest.mark.parametrize("device, backend", [("cpu", "gloo"), ("auto", None)])
+def test_backend_follows_the_recipe_device_even_where_cuda_is_visible(monkeypatch, corpus, tmp_path, device, backend):
+    """A CPU recipe (the smoke runs) joins its ranks with gloo on a GPU host too; NCCL only for GPU training
+    (None: init_distributed picks NCCL when CUDA is there)."""
+    import megatron_core.distributed
+
+    seen = {}
+
+    def fake_init(backend=None, **_):
+        seen["backend"] = backend
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(megatron_core.distributed, "init_distributed", fake_init)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(RuntimeError, match="stop here"):
+        train(tiny_recipe(f"device={device}"), tmp_path, corpus, vocab_size=VOCAB_SIZE)
+    assert seen["backend"] == backend
