@@ -11,6 +11,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 . .venv/bin/activate
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-python -c "import torch" 2>/dev/null || pip install --quiet "torch==2.13.0"
+# TORCH_INDEX_URL: where the CPU build lives on machines whose pip would otherwise pick the CUDA build
+# (the GitHub workflow sets PyTorch's CPU index); unset, pip's own configuration decides.
+python -c "import torch" 2>/dev/null || pip install --quiet "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 pip install --quiet -e ".[test]"
 python -c "import torch, megatron_core; print(f'ready: torch {torch.__version__}, megatron_core {megatron_core.__version__}')"
