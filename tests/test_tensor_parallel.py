@@ -260,3 +260,19 @@ def test_rng_tracker_fork_is_reproducible_and_isolated():
         with tp.get_rng_tracker().fork("no-such-state"):
             pass
     assert MODEL_PARALLEL_RNG in tp.get_rng_tracker().get_states()
+
+
+@pytest.mark.parametrize("tp_rank, pp_rank", [(0, 0), (1, 0), (3, 2)])
+def test_seed_offsets_are_megatrons(monkeypatch, tp_rank, pp_rank):
+    """Megatron's numbers: the default generators get seed + 100 x pipeline rank, the tracker's
+    model-parallel generator that + 2718 + tensor rank."""
+    from megatron_core import train as train_lib
+    from megatron_core.tensor_parallel.random import get_rng_tracker
+
+    monkeypatch.setattr(ps, "get_pipeline_model_parallel_rank", lambda: pp_rank)
+    monkeypatch.setattr(ps, "get_tensor_model_parallel_rank", lambda: tp_rank)
+    train_lib.seed_everything(1234)
+    assert torch.initial_seed() == 1234 + 100 * pp_rank
+    expected = torch.Generator().manual_seed(1234 + 100 * pp_rank + 2718 + tp_rank).get_state()
+    assert torch.equal(get_rng_tracker().get_states()[MODEL_PARALLEL_RNG], expected)
+    torch.manual_seed(0)
