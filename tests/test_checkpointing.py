@@ -295,3 +295,38 @@ def test_megatron_lm_rng_state_with_numpy_arrays_loads_safely(tmp_path):
     loaded = ckpt.load_checkpoint_file(tmp_path / "megatron_lm.pt")
     np_state = loaded["rng_state"][0]["np_rng_state"]
     assert np_state[0] == "MT19937" and np.array_equal(np_state[1], np.random.get_state()[1])
+
+
+def _dp2_signal_one_rank(run_dir: str, corpus: str) -> dict:
+    """DP 2 where only rank 1 receives SIGTERM (after its 3rd iteration): both ranks must stop together."""
+    import os
+
+    import torch.distributed as dist
+
+    from megatron_core import parallel_state as ps
+    from megatron_core.training import trainer as trainer_lib
+
+    original = trainer_lib.Trainer.train_step
+
+    def train_step(self, data_iterator):
+        result = original(self, data_iterator)
+        if dist.get_rank() == 1 and self.state.iteration == 2:  # the loop counts this step as iteration 3
+            os.kill(os.getpid(), signal.SIGTERM)
+        return result
+
+    trainer_lib.Trainer.train_step = train_step
+    recipe = tiny_recipe("train_iters=12", "world_size=2", "save_interval=null", "eval_iters=0")
+    try:
+        summary = train(recipe, run_dir, corpus, vocab_size=VOCAB_SIZE)
+    finally:
+        trainer_lib.Trainer.train_step = original
+        ps.destroy_model_parallel()
+    return {"iteration": summary["iteration"], "stopped_by": summary["stopped_by"]}
+
+
+def test_a_signal_on_one_rank_stops_every_rank_after_the_same_iteration(corpus, tmp_path):
+    from distributed_utils import run_distributed
+
+    ranks = run_distributed(_dp2_signal_one_rank, 2, str(tmp_path), corpus, timeout=120)
+    assert ranks == [{"iteration": 3, "stopped_by": "SIGTERM"}] * 2
+    assert ckpt.read_tracker(tmp_path / "checkpoints") == 3

@@ -273,8 +273,8 @@ class Trainer:
                 if t.save_interval and s.iteration % t.save_interval == 0:
                     self.save()
                     saved_at = s.iteration
-                if self._stop_signal is not None:
-                    stopped_by = signal.Signals(self._stop_signal).name
+                if _any_rank(self._stop_signal is not None):  # every rank stops after the same iteration
+                    stopped_by = signal.Signals(self._stop_signal or signal.SIGTERM).name
                     break
             if stopped_by is None and s.iteration % t.eval_interval != 0:
                 last_valid = self.evaluate(self.valid_ds, "valid", self._valid_consumed(s.iteration + t.eval_interval),
@@ -305,6 +305,19 @@ def _is_log_writer() -> bool:
     """The last pipeline stage's first TP/DP rank holds the losses; it writes the run outputs."""
     return (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
             and ps.get_data_parallel_rank() == 0)
+
+
+def _any_rank(flag: bool) -> bool:
+    """True on every rank when it is true on any (a signal may reach the ranks of a job at different
+    iterations; all of them must save the same one and leave together)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    tensor = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return bool(tensor.item())
 
 
 def _average_over_dp(value: float) -> float:
