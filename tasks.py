@@ -246,19 +246,36 @@ def import_hf(c, model, save, tp=1, pp=1, overwrite=False):
     "model": "HF model directory (default: the recipe run's converted model)",
     "humaneval": "also run HumanEval (default: the recipe's evaluate.humaneval)",
     "allow_code_execution": "REQUIRED to run generated code (sandboxed subprocess per sample)",
+    "num_samples": "HumanEval samples per problem (default: the recipe's)",
+    "temperature": "HumanEval sampling temperature", "top_p": "HumanEval nucleus top-p",
+    "max_new_tokens": "HumanEval tokens per completion", "problems": "only the first N HumanEval problems",
 })
 def evaluate(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, model=None, humaneval=False,
-             allow_code_execution=False):
+             allow_code_execution=False, num_samples=None, temperature=None, top_p=None, max_new_tokens=None,
+             problems=None):
     """Perplexity on the valid/test splits, and HumanEval pass@k when asked."""
     from megatron_core.evaluate import evaluate as run_evaluate
 
     r = _load(recipe, set_)
     run = workflow.run_dir(r, workdir)
     results = run_evaluate(r, model or str(run / "hf"), workdir=workdir, out_dir=str(run / "eval"),
-                           humaneval=humaneval or None, allow_code_execution=allow_code_execution)
+                           humaneval=humaneval or None, allow_code_execution=allow_code_execution,
+                           num_samples=_number(num_samples, int), temperature=_number(temperature, float),
+                           top_p=_number(top_p, float), max_new_tokens=_number(max_new_tokens, int),
+                           problems=_number(problems, int))
     summary = {k: v for k, v in results.items() if k.startswith("pass@")}
     summary.update({f"{split}_{m}": r[m] for split, r in results.get("perplexity", {}).items() for m in ("loss", "ppl")})
     print(json.dumps(summary, indent=2))
+
+
+def _number(value, kind):
+    """invoke hands untyped (None-default) flags over as strings."""
+    if value is None:
+        return None
+    try:
+        return kind(value)
+    except ValueError:
+        raise UserError(f"{value!r} is not a {kind.__name__}") from None
 
 
 @recipe_task(help={"humaneval": "include HumanEval", "allow_code_execution": "run generated code (sandboxed)"})

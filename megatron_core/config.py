@@ -162,6 +162,8 @@ class EvaluateConfig:
     humaneval_timeout_s: float = 3.0
     humaneval_problems: Optional[int] = None  # None: all 164
     humaneval_k: list = field(default_factory=lambda: [1, 10, 100])
+    humaneval_stop_sequences: Optional[list] = None  # None: Codex's ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
+    humaneval_memory_mb: int = 1024  # address-space limit of each sandboxed sample
     # Published figures to print beside ours, e.g. {"pass@1": 0.038, ...}.
     reference: dict = field(default_factory=dict)
 
@@ -368,7 +370,10 @@ def _build_section(cls: type, values: Any, section: str):
     kwargs = {}
     for key, value in values.items():
         if key not in hints:
-            raise UserError(f"unknown key '{section}.{key}'{_closest(key, hints)}")
+            elsewhere = [f"{name}.{key}" for name, other in SECTIONS.items()
+                         if name != section and key in typing.get_type_hints(other)]
+            hint = f"; it belongs in another section: '{elsewhere[0]}'" if elsewhere else _closest(key, hints)
+            raise UserError(f"unknown key '{section}.{key}'{hint}")
         kwargs[key] = _coerce(value, hints[key], f"{section}.{key}")
     return cls(**kwargs)
 

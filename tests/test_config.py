@@ -57,6 +57,8 @@ def test_unknown_key_names_the_closest_valid_one():
         recipe_from_dict(minimal(model={"num_layer": 2}))
     with pytest.raises(UserError, match=r"unknown key 'trainig'; did you mean 'training'"):
         recipe_from_dict(minimal(trainig={}))
+    with pytest.raises(UserError, match=r"unknown key 'model.lr'; it belongs in another section: 'training.lr'"):
+        recipe_from_dict(minimal(model={"lr": 1e-3}))
 
 
 def test_wrong_type_names_key_value_and_expected_type():

@@ -108,3 +108,17 @@ def test_interrupted_evaluation_resumes_from_cache(tmp_path):
     other = []
     run(problems[:1], lambda p, n: other.append(p) or base(p, n), tmp_path, temperature=0.8)
     assert len(other) == 1
+
+
+def test_settings_come_from_the_recipe_and_flags_override():
+    from megatron_core.config import load_recipe
+    from megatron_core.evaluate.humaneval import HUMANEVAL_STOP, HumanEvalSettings
+
+    default = HumanEvalSettings.from_recipe(load_recipe("smoke").evaluate)
+    assert tuple(default.stop_sequences) == tuple(HUMANEVAL_STOP) and default.memory_mb == 1024
+    recipe = load_recipe("smoke", ['evaluate.humaneval_stop_sequences=["\\n\\n"]', "evaluate.humaneval_memory_mb=512",
+                                   "evaluate.humaneval_temperature=0.8"])
+    settings = HumanEvalSettings.from_recipe(recipe.evaluate, temperature=0.1, num_samples=None)
+    assert settings.stop_sequences == ("\n\n",) and settings.memory_mb == 512
+    assert settings.temperature == 0.1 and settings.num_samples == recipe.evaluate.humaneval_num_samples
+    assert settings.key() != default.key()  # another cache entry: other settings, other samples

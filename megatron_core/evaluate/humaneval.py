@@ -40,7 +40,10 @@ class HumanEvalSettings:
         e = evaluate_config
         values = dict(num_samples=e.humaneval_num_samples, temperature=e.humaneval_temperature,
                       top_p=e.humaneval_top_p, max_new_tokens=e.humaneval_max_new_tokens,
-                      timeout_s=e.humaneval_timeout_s, problems=e.humaneval_problems, k=list(e.humaneval_k))
+                      timeout_s=e.humaneval_timeout_s, problems=e.humaneval_problems, k=list(e.humaneval_k),
+                      memory_mb=e.humaneval_memory_mb)
+        if e.humaneval_stop_sequences is not None:
+            values["stop_sequences"] = tuple(e.humaneval_stop_sequences)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 
