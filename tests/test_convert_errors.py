@@ -86,6 +86,25 @@ def test_target_holding_a_model_is_refused_unless_overwrite(tp1_checkpoint, tmp_
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp/old dirs left behind
 
 
+def test_import_into_an_occupied_directory_is_refused_unless_overwrite_and_bf16_converts(tp1_checkpoint, tmp_path):
+    hf = tmp_path / "hf"
+    summary = convert_checkpoint(tp1_checkpoint[0], hf, dtype="bf16")
+    from safetensors import safe_open
+
+    with safe_open(str(hf / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    assert summary["iteration"] == read_checkpoint(tp1_checkpoint[0]).iteration
+    ckpt = tmp_path / "ckpt"
+    import_hf_model(hf, ckpt, tp=2)
+    tracker = (ckpt / "latest_checkpointed_iteration.txt").read_text()
+    with pytest.raises(UserError, match="already holds a checkpoint; pass --overwrite"):
+        import_hf_model(hf, ckpt, tp=1)
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == tracker
+    assert sorted(p.name for p in (ckpt / "release").iterdir()) == ["mp_rank_00", "mp_rank_01"]
+    import_hf_model(hf, ckpt, tp=1, overwrite=True)
+    assert sorted(p.name for p in (ckpt / "release").iterdir()) == ["mp_rank_00"]
+
+
 def test_cli_prints_error_and_exits_2(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "megatron_core.convert", "--load", str(tmp_path / "nope"),
                            "--save", str(tmp_path / "hf")], capture_output=True, text=True)
