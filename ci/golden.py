@@ -289,11 +289,12 @@ def sanity(metrics: str | os.PathLike) -> str:
 
 
 def run_metrics(recipe: str, workdir: str | os.PathLike, overrides=()) -> tuple[Path, str]:
-    """(metrics.jsonl of the recipe's run in `workdir`, the resolved recipe's hash)."""
+    """(metrics.jsonl of the recipe's run in `workdir`, the hash of what its losses depend on)."""
     from megatron_core import config, workflow
 
     resolved = config.load_recipe(recipe, list(overrides or []))
-    return workflow.run_dir(resolved, workdir) / "metrics.jsonl", resolved.hash
+    # the train stage's hash: what the losses depend on (how the run is evaluated afterwards does not count)
+    return workflow.run_dir(resolved, workdir) / "metrics.jsonl", resolved.stage_hash("train")
 
 
 def run(recipe: str, workdir: str | os.PathLike = "./work", update_golden: bool = False, metrics=None,

@@ -48,7 +48,7 @@ def test_cli_golden_and_progress_line(tmp_path):
         [sys.executable, "-m", "megatron_core.data.preprocess", "--input", str(FIXTURE / "corpus.jsonl"),
          "--output-prefix", str(tmp_path / "m"), "--vocab-file", VOCAB, "--merge-file", MERGES,
          "--tokenizer-type", "GPT2BPETokenizer", "--json-keys", "content", "--append-eod", "--workers", "2",
-         "--log-interval", "100"],
+         "--partitions", "2", "--log-interval", "100"],
         capture_output=True, text=True, timeout=120,
     )
     assert run.returncode == 0, run.stderr

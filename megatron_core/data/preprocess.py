@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dataset-impl", default="mmap", choices=IMPLS)
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int, default=1)
+    g.add_argument("--partitions", type=int, default=1,
+                   help="accepted for Megatron compatibility: its partitions only split the work, the output is "
+                        "the same; here the --workers share one ordered stream")
     g.add_argument("--log-interval", type=int, default=1000)
     return p
 
@@ -264,6 +267,8 @@ def preprocess(args: argparse.Namespace) -> dict:
         raise UserError(f"tokenizer type {args.tokenizer_type} is not supported; use GPT2BPETokenizer")
     if args.workers < 1:
         raise UserError(f"--workers must be at least 1, got {args.workers}")
+    if args.partitions < 1:
+        raise UserError(f"--partitions must be at least 1, got {args.partitions}")
     files = expand_inputs(args.input)
     tokenizer = GPT2BPETokenizer(args.vocab_file, args.merge_file, engine=args.tokenizer_engine)
     engine = tokenizer.engine.name
