@@ -12,6 +12,7 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -58,7 +59,13 @@ class _StubTokenizer:
 def run(data_prefix: str | None = None, train_iters: int = 150000, global_batch_size: int = 192, seq_length: int = 1024,
         eval_interval: int = 200, eval_iters: int = 10, split: str = "969,30,1", seed: int = 1234, repeats: int = 3, write: bool = True,
         recipe_hash: str | None = None) -> dict:
-    work = tempfile.mkdtemp(prefix="bench-dataset-")
+    with tempfile.TemporaryDirectory(prefix="bench-dataset-") as work:  # gigabytes of indices: never left behind
+        return _run(work, data_prefix, train_iters, global_batch_size, seq_length, eval_interval, eval_iters, split,
+                    seed, repeats, write, recipe_hash)
+
+
+def _run(work, data_prefix, train_iters, global_batch_size, seq_length, eval_interval, eval_iters, split, seed,
+         repeats, write, recipe_hash) -> dict:
     if data_prefix is None:
         data_prefix = synthesize(os.path.join(work, "synthetic"))
     sizes = gpt_dataset.samples_per_split(train_iters, global_batch_size, eval_interval, eval_iters)
@@ -77,11 +84,16 @@ def run(data_prefix: str | None = None, train_iters: int = 150000, global_batch_
 
     # The machine is shared: alternate the two, fresh cache directories each time, keep the best.
     ours_times, megatron_times = [], []
+    sides = ((build_megatron, megatron_times, "megatron"), (build_ours, ours_times, "ours"))
     for attempt in range(repeats):
-        for build, times, name in ((build_megatron, megatron_times, "megatron"), (build_ours, ours_times, "ours")):
+        for build, times, name in (sides if attempt % 2 == 0 else sides[::-1]):  # neither always goes first
             start = time.perf_counter()
             datasets = build(os.path.join(work, f"{name}-{attempt}"))
             times.append(time.perf_counter() - start)
+            if attempt < repeats - 1:  # keep only the last round's files (compared below)
+                del datasets
+                shutil.rmtree(os.path.join(work, f"{name}-{attempt}"))
+                continue
             if name == "ours":
                 ours = datasets
             else:

@@ -97,7 +97,8 @@ class Setup:
         self.padded_vocab = recipe.padded_vocab_size(tokenizer.vocab_size)
         self.device = train_lib.choose_device(recipe.training.device)
         self.precision, self.dtype = train_lib.precision_of(recipe)
-        cache = Path(tempfile.mkdtemp(prefix="bench-train-index-"))
+        self.scratch = tempfile.TemporaryDirectory(prefix="bench-train-")  # removed when the benchmark ends
+        cache = Path(self.scratch.name) / "index-cache"
         self.train_ds = train_lib.build_datasets(recipe, workflow.data_prefixes(recipe, workdir), cache)[0]
         m, t = recipe.model, recipe.training
         self.tokens_per_iteration = t.global_batch_size * m.seq_length
@@ -125,7 +126,7 @@ def build_ours(setup: Setup):
     recipe = setup.recipe
     train_lib.seed_everything(recipe.training.seed)
     fusions, model, inner, optimizer = train_lib.build_model_and_optimizer(recipe, setup.padded_vocab, setup.device)
-    run_dir = Path(tempfile.mkdtemp(prefix="bench-train-run-"))
+    run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=setup.scratch.name))
     trainer = Trainer(recipe, model, (setup.train_ds, None, None), setup.padded_vocab, run_dir, optimizer=optimizer,
                       device=setup.device, save=None, load=None, logger=RunLogger(run_dir, writer=False),
                       device_name=setup.device_name, precision=setup.precision)
@@ -252,6 +253,13 @@ def run(recipe_spec: str = "codeparrot-tiny", overrides=(), workdir: str = "./wo
         raise UserError(f"need --iters >= 1, --warmup >= 0, --repeats >= 1 (got {iters}, {warmup}, {repeats})")
     recipe = config.load_recipe(recipe_spec, list(overrides))
     setup = Setup(recipe, workdir)
+    try:
+        return _run(setup, recipe, overrides, iters, warmup, repeats, baseline, write, echo, results_dir)
+    finally:
+        setup.scratch.cleanup()
+
+
+def _run(setup, recipe, overrides, iters, warmup, repeats, baseline, write, echo, results_dir) -> dict:
     echo(f"bench.train: {recipe.describe()} on {setup.device_name}, {setup.precision}, "
          f"{setup.tokens_per_iteration} tokens per iteration, {iters} timed after {warmup} warm-up, "
          f"{repeats} alternating runs", )
