@@ -14,9 +14,7 @@ from megatron_core.data.indexed_dataset import IndexedDataset
 from megatron_core.data.preprocess import main, preprocess, preprocess_args
 from megatron_core.data.tokenizer import GPT2BPETokenizer
 
-FIXTURE = Path("/work/shared/fixtures/megatron-preprocess")
-if not FIXTURE.exists():
-    FIXTURE = Path(__file__).resolve().parents[1] / "shared" / "fixtures" / "megatron-preprocess"
+from training_fixtures import MEGATRON_PREPROCESS_FIXTURE as FIXTURE
 VOCAB, MERGES = str(FIXTURE / "vocab.json"), str(FIXTURE / "merges.txt")
 
 

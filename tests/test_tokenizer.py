@@ -18,9 +18,7 @@ from megatron_core.data.tokenizer import (
 )
 from megatron_core.errors import UserError
 
-FIXTURE = Path("/work/shared/fixtures/megatron-preprocess")
-if not FIXTURE.exists():  # the repository's copy, where shared/ is checked out beside it
-    FIXTURE = Path(__file__).resolve().parents[1] / "shared" / "fixtures" / "megatron-preprocess"
+from training_fixtures import MEGATRON_PREPROCESS_FIXTURE as FIXTURE
 
 
 def _hf(directory):

@@ -11,6 +11,13 @@ from megatron_core.data.indexed_dataset import IndexedDatasetBuilder
 
 VOCAB_SIZE = 100
 
+# Megatron-LM's own preprocessing output (the golden fixture): in shared/ beside the checkout (CI's fresh
+# clone too), or a copy inside it.
+_ROOT = Path(__file__).resolve().parents[1]
+MEGATRON_PREPROCESS_FIXTURE = next(
+    (p for p in (_ROOT.parent / "shared", _ROOT / "shared", Path("/work/shared"))
+     if (p / "fixtures" / "megatron-preprocess").is_dir()), _ROOT.parent / "shared") / "fixtures" / "megatron-preprocess"
+
 TINY_OVERRIDES = [
     "num_layers=2", "hidden_size=32", "num_attention_heads=2", "seq_length=32", "max_position_embeddings=32",
     "micro_batch_size=2", "global_batch_size=4", "train_iters=16", "lr=3e-3", "lr_warmup_iters=2",
