@@ -7,7 +7,6 @@ import sys
 import warnings
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from megatron_core.data.indexed_dataset import IndexedDataset

@@ -4,7 +4,6 @@ import json
 import random
 import shutil
 import warnings
-from pathlib import Path
 
 import pytest
 
