@@ -179,7 +179,6 @@ def build_sample_index(sequence_lengths: np.ndarray, document_index: np.ndarray,
     dtype = np.int64 if wide else np.int32
     # Column-major: each column is contiguous, so both are written at full speed (the logical array and
     # what np.save/np.load give are Megatron's [num_samples + 1, 2]; the .npy header records the order).
-    # Few temporaries: in this size every fresh buffer costs more in page faults than in arithmetic.
     sample_index = np.empty((2, size), dtype=dtype).T
     positions = np.repeat(np.arange(document_index.shape[0], dtype=dtype), counts)
     sample_index[:, 0] = positions
@@ -192,9 +191,7 @@ def build_sample_index(sequence_lengths: np.ndarray, document_index: np.ndarray,
         offsets.fill(seq_length)
         offsets[0] = 0
         np.cumsum(offsets, dtype=np.uint32, out=offsets)
-        document_starts = positions.view(np.uint32)  # the positions' buffer, reused
-        np.take(starts.astype(np.uint32), positions, out=document_starts, mode="clip")
-        offsets -= document_starts
+        offsets -= np.repeat(starts.astype(np.uint32), counts)
     del positions
     # Megatron's loop starts at (0, 0) even when the first documents are empty.
     sample_index[0] = (0, 0)
