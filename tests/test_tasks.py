@@ -68,6 +68,11 @@ def test_convert_refuses_an_occupied_target_and_import_hf_round_trips(smoke_pipe
     again = invoke("convert", "--recipe", "smoke", "--workdir", str(workdir))
     assert again.returncode == 2 and again.stderr.strip().startswith("error:")
     assert "--overwrite" in again.stderr and len(again.stderr.strip().splitlines()) == 1
+    older = invoke("convert", "--recipe", "smoke", "--workdir", str(workdir), "--iteration", "10", "--save",
+                   str(tmp_path / "hf10"), "--format", "bin", "--dtype", "fp16")
+    assert older.returncode == 0, older.stderr
+    assert json.loads((tmp_path / "hf10" / "provenance.json").read_text())["iteration"] == 10
+    assert (tmp_path / "hf10" / "pytorch_model.bin").exists()
     imported = invoke("import-hf", "--model", str(run / "hf"), "--save", str(tmp_path / "ckpt"), "--tp", "2")
     assert imported.returncode == 0, imported.stderr
     assert sorted(p.name for p in (tmp_path / "ckpt" / "release").iterdir()) == ["mp_rank_00", "mp_rank_01"]
