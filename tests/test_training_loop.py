@@ -102,6 +102,26 @@ def test_fp16_loop_skips_injected_inf_and_recovers(corpus, tmp_path, monkeypatch
     assert by_it[16]["lm_loss"] < by_it[7]["lm_loss"] < by_it[1]["lm_loss"]
 
 
+def test_bf16_trains_close_to_fp32_with_bf16_weights_and_fp32_master(first_run, corpus, tmp_path):
+    """bf16: the model's parameters are bf16, the optimizer steps fp32 master copies, and the losses follow
+    the fp32 run within bf16's precision."""
+    from megatron_core.training import checkpointing as ckpt
+
+    recipe = tiny_recipe("train_iters=24", "save_interval=null", "bf16=true")
+    summary = train(recipe, tmp_path, corpus, vocab_size=VOCAB_SIZE)
+    bf16 = train_losses(read_metrics(tmp_path))
+    fp32 = train_losses(read_metrics(first_run[0]))
+    assert summary["skipped_iterations"] == 0 and bf16[24] < bf16[1] - 0.5
+    for it in (1, 12, 24):
+        assert bf16[it] == pytest.approx(fp32[it], rel=3e-2), it
+    state = ckpt.load_latest(tmp_path / "checkpoints")[1]
+    weights = ckpt.flatten_model_state(state["model"])
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+    assert state["args"].params_dtype == "bfloat16"
+    masters = state["optimizer"]["fp32_from_fp16_params"]
+    assert len(masters) == len(weights) and {m.dtype for m in masters} == {torch.float32}
+
+
 @pytest.mark.parametrize("override, message", [
     ("lr=0 min_lr=0", "training.lr must be > 0"),
     ("clip_grad=-1", "training.clip_grad must be >= 0"),
