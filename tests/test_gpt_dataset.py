@@ -135,7 +135,18 @@ def test_blend_of_two_prefixes_matches_megatron_core(data, tmp_path):
         _assert_same(r, o)
 
 
-def test_sample_index_equals_megatron_helper_with_empty_documents():
+SAMPLE_INDEX_BUILDERS = pytest.mark.parametrize("build", [
+    pytest.param(gpt_dataset.build_sample_index, id="compiled"),
+    pytest.param(gpt_dataset.build_sample_index_numpy, id="numpy"),
+])
+
+
+def test_the_compiled_sample_index_is_in_use():
+    assert gpt_dataset._compiled_sample_index_kernel() is not None  # numba is a dependency
+
+
+@SAMPLE_INDEX_BUILDERS
+def test_sample_index_equals_megatron_helper_with_empty_documents(build):
     *_, helpers = _megatron_datasets_modules()
     rng = np.random.default_rng(1)
     for trial in range(100):
@@ -147,11 +158,12 @@ def test_sample_index_equals_megatron_helper_with_empty_documents():
         np.random.RandomState(trial).shuffle(document_index)
         tokens = epochs * int(lengths.sum())
         expected = helpers.build_sample_idx(lengths, document_index, seq_length, epochs, int(lengths.sum()), True, True)
-        got = gpt_dataset.build_sample_index(lengths, document_index, seq_length, tokens)
+        got = build(lengths, document_index, seq_length, tokens)
         assert got.dtype == expected.dtype and np.array_equal(got, expected), trial
 
 
-def test_int64_sample_index_for_huge_datasets_has_the_same_values(monkeypatch):
+@SAMPLE_INDEX_BUILDERS
+def test_int64_sample_index_for_huge_datasets_has_the_same_values(monkeypatch, build):
     """The int64 path (more than 2**31 samples, documents or tokens in one document) computes what the
     int32 path does; forced here by lowering the limit."""
     rng = np.random.default_rng(3)
@@ -160,9 +172,9 @@ def test_int64_sample_index_for_huge_datasets_has_the_same_values(monkeypatch):
     np.random.RandomState(0).shuffle(document_index)
     tokens = 3 * int(lengths.sum())
     for seq_length in (16, 37):
-        narrow = gpt_dataset.build_sample_index(lengths, document_index, seq_length, tokens)
+        narrow = build(lengths, document_index, seq_length, tokens)
         monkeypatch.setattr(gpt_dataset, "INT32_INDEX_LIMIT", 0)
-        wide = gpt_dataset.build_sample_index(lengths, document_index, seq_length, tokens)
+        wide = build(lengths, document_index, seq_length, tokens)
         monkeypatch.undo()
         assert narrow.dtype == np.int32 and wide.dtype == np.int64 and np.array_equal(narrow, wide)
 

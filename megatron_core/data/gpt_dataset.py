@@ -13,10 +13,12 @@ the same order as a Megatron-LM run over the same files:
 They are built once (rank 0), saved as `.npy` under `cache_dir` with a name hashed from every
 input that determines them, and memory-mapped by every rank and every later run.
 
-Megatron builds the sample index with a compiled C++ loop; here it is vectorized with numpy:
-sample k starts at flat token position k * seq_length of the concatenated documents, so the
-samples starting in each document are counted from the cumulative document lengths and spread
-with `np.repeat`, no per-sample Python.
+Megatron builds the sample index with a compiled C++ loop. Here one loop over the documents is
+compiled by numba when it is installed (a dependency of the project; about 0.1 s for CodeParrot's
+28.8 million samples); the numpy version beside it is the reference, vectorized: sample k starts at
+flat token position k * seq_length of the concatenated documents, so the samples starting in each
+document are counted from the cumulative document lengths and spread with `np.repeat`. Both are
+tested equal to megatron-core's helper.
 """
 
 from __future__ import annotations
@@ -157,6 +159,49 @@ def build_sample_index(sequence_lengths: np.ndarray, document_index: np.ndarray,
     """
     if seq_length < 2:
         raise GPTDatasetError(f"seq_length {seq_length} must be at least 2")
+    kernel = _compiled_sample_index_kernel()
+    if kernel is None:
+        return build_sample_index_numpy(sequence_lengths, document_index, seq_length, tokens_in_index)
+    size = (tokens_in_index - 1) // seq_length + 1
+    wide = max(document_index.shape[0], int(sequence_lengths.max()), size) > INT32_INDEX_LIMIT
+    sample_index = np.empty((size, 2), dtype=np.int64 if wide else np.int32)
+    written = kernel(sequence_lengths.astype(np.int64), document_index, seq_length, sample_index)
+    assert written == size, (written, size)
+    return sample_index
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_sample_index_kernel():
+    """The compiled loop, or None (logged once) where numba is not installed."""
+    try:
+        import numba
+    except ImportError:
+        log("sample index: numba is not installed, using the numpy version (slower on large datasets)")
+        return None
+
+    @numba.njit(cache=True, nogil=True)
+    def fill(sequence_lengths, document_index, seq_length, out):
+        # Walk the documents in document-index order; row k takes the document p that holds flat
+        # token k * S (start <= k * S < end, so empty documents hold none) and the offset inside it.
+        size = out.shape[0]
+        k = 0
+        start = 0
+        for p in range(document_index.shape[0]):
+            end = start + sequence_lengths[document_index[p]]
+            while k < size and k * seq_length < end:
+                out[k, 0] = p
+                out[k, 1] = k * seq_length - start
+                k += 1
+            start = end
+        out[0, 0] = 0  # Megatron's first row is (0, 0) even when the first documents are empty
+        out[0, 1] = 0
+        return k
+
+    return fill
+
+
+def build_sample_index_numpy(sequence_lengths: np.ndarray, document_index: np.ndarray, seq_length: int, tokens_in_index: int) -> np.ndarray:
+    """The reference: build_sample_index vectorized with numpy."""
     num_samples = (tokens_in_index - 1) // seq_length
     size = num_samples + 1
     wide = max(document_index.shape[0], int(sequence_lengths.max()), size) > INT32_INDEX_LIMIT
