@@ -166,6 +166,8 @@ class IndexedDatasetBuilder:
                 _write_mmap_index(f, self.dtype, lengths, documents)
             else:
                 _write_legacy_index(f, self.dtype, lengths, documents)
+        if os.path.exists(idx_path):
+            os.remove(idx_path)  # an older .idx must never sit beside the new .bin, even for a moment
         os.replace(self._bin_tmp, self.bin_path)
         os.replace(self._idx_tmp, idx_path)
         self._finalized = True
