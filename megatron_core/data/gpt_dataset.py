@@ -179,7 +179,6 @@ def _compiled_sample_index_kernel():
         log("sample index: numba is not installed, using the numpy version (slower on large datasets)")
         return None
 
-    @numba.njit(cache=True, nogil=True)
     def fill(sequence_lengths, document_index, seq_length, out):
         # Walk the documents in document-index order; row k takes the document p that holds flat
         # token k * S (start <= k * S < end, so empty documents hold none) and the offset inside it.
@@ -197,7 +196,10 @@ def _compiled_sample_index_kernel():
         out[0, 1] = 0
         return k
 
-    return fill
+    try:  # the machine code is cached beside this module, so later processes skip the compile
+        return numba.njit(cache=True, nogil=True)(fill)
+    except RuntimeError:  # a read-only installation: no cache, compiled once per process
+        return numba.njit(nogil=True)(fill)
 
 
 def build_sample_index_numpy(sequence_lengths: np.ndarray, document_index: np.ndarray, seq_length: int, tokens_in_index: int) -> np.ndarray:
