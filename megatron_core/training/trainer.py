@@ -140,6 +140,7 @@ class Trainer:
         self._load_model_weights(state, where)
         self.logger.info(f"initialized the model from the weights in {where}; optimizer, learning-rate schedule "
                          "and data position start from zero")
+
     def _unwrapped(self) -> torch.nn.Module:
         return getattr(self.model, "module", self.model)
 
