@@ -388,7 +388,7 @@ def docker_build(c, tag=None, ngc_tag=None, no_cache=False, pull=False, dry_run=
     containers.build(tag=tag, ngc_tag=ngc_tag, no_cache=no_cache, pull=pull, dry_run=dry_run)
 
 
-@task(name="run", iterable=["mount", "set_", "env"], help={
+@task(name="run", iterable=["mount", "set_", "env"], auto_shortflags=False, help={
     "recipe": "recipe name, family or container path (default codeparrot-small)",
     "task": "invoke task to run inside (default train)",
     "gpus": "all or a number",
