@@ -289,20 +289,19 @@ def pipeline(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, human
                         "--set evaluate.humaneval=false for perplexity only")
     train(c, recipe=recipe, set_=set_, workdir=workdir)
     run = workflow.run_dir(r, workdir)
-    if _converted_iteration(run / "hf") != _latest_iteration(run / "checkpoints"):
+    from megatron_core.training.checkpointing import read_tracker
+
+    if _converted_iteration(run / "hf") != read_tracker(run / "checkpoints"):
         convert(c, recipe=recipe, set_=set_, workdir=workdir, overwrite=True)  # none yet, or an older one
     evaluate(c, recipe=recipe, set_=set_, workdir=workdir, humaneval=humaneval,
              allow_code_execution=allow_code_execution)
 
 
-def _latest_iteration(checkpoints: Path):
-    tracker = checkpoints / "latest_checkpointed_iteration.txt"
-    text = tracker.read_text().strip() if tracker.exists() else None
-    return int(text) if text and text.isdigit() else text
-
-
 def _converted_iteration(hf_dir: Path):
-    provenance = hf_dir / "provenance.json"
+    """The checkpoint iteration a converted model was made from (its provenance file), or None."""
+    from megatron_core.convert.megatron_to_hf import PROVENANCE_FILE
+
+    provenance = hf_dir / PROVENANCE_FILE
     return json.loads(provenance.read_text()).get("iteration") if provenance.exists() else None
 
 
