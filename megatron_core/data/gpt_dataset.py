@@ -205,41 +205,29 @@ def _compiled_sample_index_kernel():
 def build_sample_index_numpy(sequence_lengths: np.ndarray, document_index: np.ndarray, seq_length: int, tokens_in_index: int) -> np.ndarray:
     """The reference: build_sample_index vectorized with numpy."""
     num_samples = (tokens_in_index - 1) // seq_length
-    size = num_samples + 1
-    wide = max(document_index.shape[0], int(sequence_lengths.max()), size) > INT32_INDEX_LIMIT
-
-    ends = np.cumsum(np.take(sequence_lengths.astype(np.int64), document_index))
-    assert int(ends[-1]) == tokens_in_index, (int(ends[-1]), tokens_in_index)
-    starts = np.empty_like(ends)
-    starts[0] = 0
-    starts[1:] = ends[:-1]
-    # Samples whose first token lies in document position p: k with starts[p] <= k*S < ends[p].
-    if seq_length & (seq_length - 1) == 0:  # the usual power of two: shifts, not int64 divisions
-        shift = seq_length.bit_length() - 1
-        counts = (ends + (seq_length - 1)) >> shift
-        counts -= (starts + (seq_length - 1)) >> shift
-    else:
-        counts = (ends + (seq_length - 1)) // seq_length
-        counts -= (starts + (seq_length - 1)) // seq_length
-    del ends
-
+    wide = max(document_index.shape[0], int(sequence_lengths.max()), num_samples + 1) > INT32_INDEX_LIMIT
     dtype = np.int64 if wide else np.int32
-    # Column-major: each column is contiguous, so both are written at full speed (the logical array and
-    # what np.save/np.load give are Megatron's [num_samples + 1, 2]; the .npy header records the order).
-    sample_index = np.empty((2, size), dtype=dtype).T
-    positions = np.repeat(np.arange(document_index.shape[0], dtype=dtype), counts)
-    sample_index[:, 0] = positions
+
+    lengths = sequence_lengths[document_index].astype(np.int64)
+    ends = np.cumsum(lengths)
+    assert int(ends[-1]) == tokens_in_index, (int(ends[-1]), tokens_in_index)
+    starts = ends - lengths
+    # Samples whose first token lies in document position p: k with starts[p] <= k*S < ends[p].
+    first_sample = (starts + (seq_length - 1)) // seq_length
+    samples_starting = (ends + (seq_length - 1)) // seq_length - first_sample
+    del lengths, ends, first_sample
+
+    sample_index = np.empty((num_samples + 1, 2), dtype=dtype)
+    sample_index[:, 0] = np.repeat(np.arange(document_index.shape[0], dtype=dtype), samples_starting)
     if wide:
-        np.subtract(np.arange(size, dtype=np.int64) * seq_length, np.take(starts, positions), out=sample_index[:, 1])
+        sample_index[:, 1] = np.arange(num_samples + 1, dtype=np.int64) * seq_length - np.repeat(starts, samples_starting)
     else:
-        # offset = k*S - start of its document, < 2**31; computed mod 2**32 in uint32 it is exact and
-        # needs half the memory traffic of int64. k*S by a running sum, in the column itself.
-        offsets = sample_index[:, 1].view(np.uint32)
-        offsets.fill(seq_length)
-        offsets[0] = 0
-        np.cumsum(offsets, dtype=np.uint32, out=offsets)
-        offsets -= np.repeat(starts.astype(np.uint32), counts)
-    del positions
+        # offset = k*S - start of its document, < 2**31; computed mod 2**32 in uint32 it is exact
+        # and needs half the memory traffic of int64.
+        offsets = np.arange(num_samples + 1, dtype=np.uint32)
+        offsets *= np.uint32(seq_length)
+        offsets -= np.repeat(starts.astype(np.uint32), samples_starting)
+        sample_index[:, 1] = offsets.view(np.int32)
     # Megatron's loop starts at (0, 0) even when the first documents are empty.
     sample_index[0] = (0, 0)
     return sample_index
@@ -286,11 +274,10 @@ def build_gpt_indices(sequence_lengths: np.ndarray, documents: np.ndarray, seq_l
     start = time.perf_counter()
     document_index = build_document_index(documents, plan.num_epochs, rng, plan.separate_last_epoch)
     t_doc = time.perf_counter()
-    total = (plan.num_epochs * tokens_per_epoch - 1) // seq_length
-    num_first = plan.samples_before_last_epoch if plan.separate_last_epoch else total
     sample_index = build_sample_index(sequence_lengths, document_index, seq_length, plan.num_epochs * tokens_per_epoch)
     t_sample = time.perf_counter()
-    assert sample_index.shape[0] - 1 == total, (sample_index.shape, total)
+    total = sample_index.shape[0] - 1
+    num_first = plan.samples_before_last_epoch if plan.separate_last_epoch else total
     # numpy's shuffle releases the GIL: the shuffle index is drawn on a second core while the first two
     # indices are written out (drawing it beside the sample index instead was slower: both are memory-bound).
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
@@ -300,7 +287,6 @@ def build_gpt_indices(sequence_lengths: np.ndarray, documents: np.ndarray, seq_l
         shuffle_index = shuffled.result()
     t_shuffle = time.perf_counter()
     sink("shuffle_index", shuffle_index)
-    assert sample_index.shape[0] - 1 == total, (sample_index.shape, total)
     log(
         f"  {plan.num_epochs} epoch(s) of {tokens_per_epoch} tokens, separate last epoch: "
         f"{plan.separate_last_epoch}, {total} samples; document index {t_doc - start:.2f} s, "
