@@ -190,8 +190,9 @@ def train(recipe: Recipe, run_dir, data_prefix, tokenizer_files=None, load=None,
     check_training_values(recipe)
     run_dir = Path(run_dir)
     p, t = recipe.parallel, recipe.training
-    # The backend follows where the recipe trains: a CPU recipe talks gloo even on a GPU host.
-    info = init_distributed(backend="gloo" if t.device == "cpu" or not torch.cuda.is_available() else None)
+    # The backend follows where the recipe trains: a CPU recipe talks gloo even on a GPU host
+    # (None: NCCL where CUDA is, gloo elsewhere).
+    info = init_distributed(backend="gloo" if t.device == "cpu" else None)
     if info.world_size != p.world_size:
         raise TrainingConfigError(f"the recipe's parallel.world_size is {p.world_size} but {info.world_size} "
                                   "processes were started; launch with that many (invoke train) or --set world_size=N")
