@@ -32,7 +32,7 @@ def smoke_pipeline(tmp_path_factory):
 
 def test_pipeline_trains_converts_and_evaluates(smoke_pipeline):
     _, run, proc = smoke_pipeline
-    assert f"run directory: {run.relative_to(run.parents[3])}" in proc.stdout or str(run) in proc.stdout
+    assert f"run directory: {run}" in proc.stdout
     config = json.loads((run / "hf" / "config.json").read_text())
     assert config["model_type"] == "gpt2" and config["n_layer"] == 2
     results = json.loads((run / "eval" / "evaluation.json").read_text())
@@ -60,7 +60,7 @@ def test_golden_task_checks_the_run(smoke_pipeline):
     workdir, _, _ = smoke_pipeline
     proc = invoke("ci.golden", "--recipe", "smoke", "--workdir", str(workdir))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "smoke" in proc.stdout
+    assert proc.stdout.startswith("golden smoke: 13/13 values within")
 
 
 def test_convert_refuses_an_occupied_target_and_import_hf_round_trips(smoke_pipeline, tmp_path):
