@@ -155,7 +155,7 @@ def _train_command(r: config.Recipe, overrides, nproc, nnodes, node_rank, master
     if no_save_optim:
         extra.append("--no-save-optim")
     if nproc * nnodes == 1:
-        cmd = [sys.executable, "-m", "megatron_core.train", "--recipe", r.source]
+        cmd = [sys.executable, "-m", "megatron_core.pretrain_gpt", "--recipe", r.source]
         for item in overrides:
             cmd += ["--set", item]
         return cmd + extra

@@ -3,7 +3,7 @@
     invoke bench.train --recipe R [--iters 20] [--warmup 3] [--repeats 2] [--baseline hf] [--set k=v ...]
     python -m bench.train --recipe R ...   (the same)
 
-Ours is the real training step (megatron_core.train builds the model and optimizer, the Trainer runs
+Ours is the real training step (megatron_core.pretrain_gpt builds the model and optimizer, the Trainer runs
 the forward/backward schedule and the Megatron optimizer step). The baseline, with `--baseline hf`,
 is `transformers.GPT2LMHeadModel` (SDPA attention) + `torch.optim.AdamW` (fused on CUDA, foreach on
 a CPU) with the same model size, starting weights (ours, converted), data, micro batches, gradient
@@ -82,7 +82,7 @@ class Setup:
     """What both sides share: recipe, device, data, padded vocabulary, FLOPs per iteration."""
 
     def __init__(self, recipe: config.Recipe, workdir: str) -> None:
-        from megatron_core import train as train_lib
+        from megatron_core import pretrain_gpt as train_lib
         from megatron_core.data.tokenizer import GPT2BPETokenizer
         from megatron_core.training import flops
 
@@ -119,7 +119,7 @@ class Setup:
 
 def build_ours(setup: Setup):
     """(step function -> loss, our GPTModel): the real Trainer.train_step on the recipe's model."""
-    from megatron_core import train as train_lib
+    from megatron_core import pretrain_gpt as train_lib
     from megatron_core.training.logging import RunLogger
     from megatron_core.training.trainer import Trainer
 

@@ -4,7 +4,7 @@
                      master_port=29500, rdzv_endpoint=None, extra_args=()) -> list[str]
 
 One node: `torchrun --nproc-per-node N --nnodes 1 --node-rank 0 --master-addr A --master-port P
--m megatron_core.train --recipe R [--set k=v ...] --set parallel.world_size=N*nnodes [extra]`.
+-m megatron_core.pretrain_gpt --recipe R [--set k=v ...] --set parallel.world_size=N*nnodes [extra]`.
 Several nodes: the same on every node with its own --node-rank, or with a rendezvous endpoint
 (`--rdzv-backend c10d --rdzv-endpoint host:port --rdzv-id <recipe-derived id>`, node ranks then
 assigned by torchrun). The world size the processes make is written into the recipe overrides so
@@ -54,7 +54,7 @@ def torchrun_command(recipe_spec: str, overrides: Sequence[str], nproc: int, nno
         cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id=megatron-{job_id}"]
     else:
         cmd += [f"--node-rank={node_rank}", f"--master-addr={master_addr}", f"--master-port={int(master_port)}"]
-    cmd += ["-m", "megatron_core.train", "--recipe", str(recipe_spec)]
+    cmd += ["-m", "megatron_core.pretrain_gpt", "--recipe", str(recipe_spec)]
     for item in overrides:
         cmd += ["--set", item]
     cmd += ["--set", f"parallel.world_size={nproc * nnodes}"]

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_core.train import train
+from megatron_core.pretrain_gpt import train
 from megatron_core.training import checkpointing as ckpt
 from megatron_core.training.logging import read_metrics
 from training_fixtures import VOCAB_SIZE, tiny_recipe, train_losses, write_corpus
@@ -163,7 +163,7 @@ _CHILD = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, {tests!r})
     torch.set_num_threads(1)
-    from megatron_core.train import train
+    from megatron_core.pretrain_gpt import train
     from training_fixtures import VOCAB_SIZE, tiny_recipe
     train(tiny_recipe("train_iters={iters}", "save_interval=2"), {run_dir!r}, {corpus!r}, vocab_size=VOCAB_SIZE)
     print("child finished", flush=True)

@@ -1,5 +1,5 @@
 """Multi-node launch: two `torchrun --nnodes 2 --nproc-per-node 1` processes (node ranks 0 and 1)
-on 127.0.0.1 run the real entry point `python -m megatron_core.train` data-parallel and match the
+on 127.0.0.1 run the real entry point `python -m megatron_core.pretrain_gpt` data-parallel and match the
 single-process run's losses; plus the command builder's flags and its refusals."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def _extra(prefix: str, run_dir) -> list[str]:
 def test_two_node_data_parallel_matches_single_process(tmp_path):
     prefix = write_corpus(tmp_path / "corpus")
     single_dir, multi_dir = tmp_path / "single", tmp_path / "two-nodes"
-    single = subprocess.run([sys.executable, "-m", "megatron_core.train", "--recipe", "smoke",
+    single = subprocess.run([sys.executable, "-m", "megatron_core.pretrain_gpt", "--recipe", "smoke",
                              *[a for item in OVERRIDES for a in ("--set", item)], *_extra(prefix, single_dir)],
                             env=_env(), capture_output=True, text=True, timeout=180)
     assert single.returncode == 0, single.stderr[-3000:]
@@ -64,8 +64,8 @@ def test_command_for_static_and_rendezvous_launch():
                               master_port=6000, extra_args=["--run-dir", "r"])
     assert {"--nproc-per-node=8", "--nnodes=2", "--node-rank=1", "--master-addr=10.0.0.1",
             "--master-port=6000"} <= set(static)
-    tail = static[static.index("megatron_core.train") - 1:]  # torchrun may itself be `python -m torch.distributed.run`
-    assert tail == ["-m", "megatron_core.train", "--recipe", "smoke", "--set", "lr=1e-3",
+    tail = static[static.index("megatron_core.pretrain_gpt") - 1:]  # torchrun may itself be `python -m torch.distributed.run`
+    assert tail == ["-m", "megatron_core.pretrain_gpt", "--recipe", "smoke", "--set", "lr=1e-3",
                     "--set", "parallel.world_size=16", "--run-dir", "r"]
     rdzv = torchrun_command("smoke", [], 8, nnodes=4, rdzv_endpoint="head:29400")
     assert "--rdzv-backend=c10d" in rdzv and "--rdzv-endpoint=head:29400" in rdzv

@@ -3,7 +3,7 @@
 Each layout runs ITERATIONS iterations of the real training loop (megatron_core.training.trainer.
 Trainer) on the real pieces: GPTModel, the pipeline schedule, DP grad sync, MegatronOptimizer or
 the DistributedOptimizer, the LR scheduler. Model and optimizer are built here as
-megatron_core.train builds them (handed in to the Trainer, which allows it), except that the
+megatron_core.pretrain_gpt builds them (handed in to the Trainer, which allows it), except that the
 initialization seed is the recipe's seed on every stage (layout-independent init). Every rank
 returns its parameter shards under their global names; `merge_params` glues them back.
 
@@ -92,8 +92,8 @@ class SyntheticTokens(torch.utils.data.Dataset):
 
 
 def build(recipe: Recipe):
-    """(model as the loop sees it, the GPTModel, optimizer) for this rank, as megatron_core.train builds them."""
-    from megatron_core.train import seed_everything
+    """(model as the loop sees it, the GPTModel, optimizer) for this rank, as megatron_core.pretrain_gpt builds them."""
+    from megatron_core.pretrain_gpt import seed_everything
 
     p, t = recipe.parallel, recipe.training
     if dist.is_initialized():
@@ -225,8 +225,8 @@ def train_interrupted(layout: Layout, run_root: str, stop_at: int) -> dict:
 
 
 def train_entry_point(layout: Layout, run_root: str) -> Optional[dict[int, float]]:
-    """megatron_core.train.train() itself (it builds groups, model and optimizer); losses on the writer rank."""
-    from megatron_core.train import train
+    """megatron_core.pretrain_gpt.train() itself (it builds groups, model and optimizer); losses on the writer rank."""
+    from megatron_core.pretrain_gpt import train
     from megatron_core.training.trainer import _is_log_writer
 
     run_dir = Path(run_root) / ("entry-" + layout.name.replace(" ", "_"))
@@ -275,7 +275,7 @@ FOUR_RANK_LAYOUTS = [
 assert all(layout.num_microbatches >= 1 for layout in TWO_RANK_LAYOUTS + FOUR_RANK_LAYOUTS)
 
 
-# Through megatron_core.train.train() itself, not only the Trainer with this module's build().
+# Through megatron_core.pretrain_gpt.train() itself, not only the Trainer with this module's build().
 ENTRY_LAYOUTS = (Layout("PP2", pp=2), Layout("DP2 distributed optimizer", dp=2, distributed_optimizer=True))
 ENTRY_XFAIL: dict[str, str] = {}  # layouts of the entry point known not to match (none)
 

@@ -266,7 +266,7 @@ def test_rng_tracker_fork_is_reproducible_and_isolated():
 def test_seed_offsets_are_megatrons(monkeypatch, tp_rank, pp_rank):
     """Megatron's numbers: the default generators get seed + 100 x pipeline rank, the tracker's
     model-parallel generator that + 2718 + tensor rank."""
-    from megatron_core import train as train_lib
+    from megatron_core import pretrain_gpt as train_lib
     from megatron_core.tensor_parallel.random import get_rng_tracker
 
     monkeypatch.setattr(ps, "get_pipeline_model_parallel_rank", lambda: pp_rank)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from megatron_core.errors import UserError
-from megatron_core.train import main as train_main
-from megatron_core.train import train
+from megatron_core.pretrain_gpt import main as train_main
+from megatron_core.pretrain_gpt import train
 from megatron_core.training.logging import read_metrics
 from training_fixtures import VOCAB_SIZE, tiny_recipe, train_losses, write_corpus
 

@@ -3,7 +3,7 @@ logging, evaluation and checkpoints, in the order Megatron runs them.
 
     Trainer(recipe, model, datasets, padded_vocab_size, run_dir, ...).fit() -> summary dict
 
-Everything the loop needs is built by megatron_core.train (or handed in by a test); the loop
+Everything the loop needs is built by megatron_core.pretrain_gpt (or handed in by a test); the loop
 itself knows nothing about files on disk except the run directory and the checkpoint folder.
 """
 

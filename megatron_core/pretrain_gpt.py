@@ -1,4 +1,4 @@
-"""Train a recipe: `python -m megatron_core.train --recipe R [--set k=v ...] [--run-dir D] ...`
+"""Train a recipe: `python -m megatron_core.pretrain_gpt --recipe R [--set k=v ...] [--run-dir D] ...`
 
 Builds what the loop needs (process groups, seeds, model, optimizer, datasets), logs every choice
 once at start-up, and runs megatron_core.training.trainer.Trainer. Importable as
@@ -238,7 +238,7 @@ def train(recipe: Recipe, run_dir, data_prefix, tokenizer_files=None, load=None,
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m megatron_core.train", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m megatron_core.pretrain_gpt", description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", required=True, help="recipe name, family or YAML path")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--workdir", default=DEFAULT_WORKDIR)
