@@ -104,14 +104,14 @@ def recipes(c, show=None):
 @recipe_task(help={"force": "rebuild even if up to date"})
 def corpus(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, force=False):
     """Write the recipe's corpus as loose JSON lines."""
-    step = workflow.corpus(_load(recipe, set_), workdir, force=force)
+    step = workflow.ensure_corpus(_load(recipe, set_), workdir, force=force)
     print(step.directory / "corpus.jsonl")
 
 
 @recipe_task(help={"force": "rebuild even if up to date"})
 def tokenizer(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, force=False):
     """Train (or check and take) the recipe's GPT-2 BPE tokenizer: vocab.json + merges.txt."""
-    step = workflow.tokenizer(_load(recipe, set_), workdir, force=force)
+    step = workflow.ensure_tokenizer(_load(recipe, set_), workdir, force=force)
     m = step.manifest()
     print(f"{step.directory}: vocab size {m['vocab_size']}, vocab.json {m['vocab_sha256']}, merges.txt {m['merges_sha256']}")
 
@@ -120,7 +120,7 @@ def tokenizer(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, forc
 def preprocess(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, force=False):
     """Tokenize the corpus into Megatron .bin/.idx files."""
     r = _load(recipe, set_)
-    step = workflow.preprocess(r, workdir, force=force)
+    step = workflow.ensure_data(r, workdir, force=force)
     for prefix in step.manifest()["prefixes"]:
         print(step.directory / prefix)
 
@@ -181,6 +181,7 @@ def train(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, nproc=0,
           master_addr="127.0.0.1", master_port=29500, rdzv_endpoint=None, load=None, no_save_optim=False):
     """Train the recipe (running the missing data steps first); prints the run directory."""
     r, overrides, nproc = _launch_recipe(_load(recipe, set_), recipe, set_, nproc, nnodes)
+    workflow.ensure_training_inputs(r, workdir)
     cmd = _train_command(r, overrides, nproc, nnodes, node_rank, master_addr, master_port, rdzv_endpoint, load,
                          no_save_optim, workdir)
     print(f"run directory: {workflow.run_dir(r, workdir)}", flush=True)

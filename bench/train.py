@@ -90,7 +90,7 @@ class Setup:
             raise UserError(f"bench.train times one device; recipe {recipe.name} has parallel.world_size "
                             f"{recipe.parallel.world_size}: add --set parallel.world_size=1 (and TP/PP 1)")
         self.recipe = recipe
-        workflow.preprocess(recipe, workdir)  # the data steps, only where missing
+        workflow.ensure_training_inputs(recipe, workdir)  # the data steps, only where missing
         vocab, merges = workflow.tokenizer_files(recipe, workdir)
         tokenizer = GPT2BPETokenizer(str(vocab), str(merges), quiet=True)
         self.eod = tokenizer.eod

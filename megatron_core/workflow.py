@@ -89,7 +89,8 @@ def _build(step: Step, recipe: Recipe, build: Callable[[Path], dict], force: boo
 # ----------------------------------------------------------------------------------------------
 
 
-def corpus(recipe: Recipe, workdir, force: bool = False) -> Step:
+def ensure_corpus(recipe: Recipe, workdir, force: bool = False) -> Step:
+    """Build the corpus step unless it is done."""
     from megatron_core.data.corpus import build_corpus
 
     def build(tmp: Path) -> dict:
@@ -102,16 +103,27 @@ def corpus(recipe: Recipe, workdir, force: bool = False) -> Step:
     return _build(step_dir(recipe, workdir, "corpus"), recipe, build, force)
 
 
+def _done_step(recipe: Recipe, workdir, stage: str, task: str) -> Step:
+    """A finished step's directory, or a clear error naming the task that builds it (never builds)."""
+    step = step_dir(recipe, workdir, stage)
+    if not step.done:
+        raise UserError(f"the {stage} step of recipe {recipe.name} is not built under {workdir} "
+                        f"({step.directory} is missing): run `invoke {task} --recipe {recipe.name}` first")
+    return step
+
+
 def corpus_path(recipe: Recipe, workdir) -> Path:
-    return corpus(recipe, workdir).directory / "corpus.jsonl"
+    """The built corpus file (a lookup: see ensure_corpus to build it)."""
+    return _done_step(recipe, workdir, "corpus", "corpus").directory / "corpus.jsonl"
 
 
-def tokenizer(recipe: Recipe, workdir, force: bool = False) -> Step:
+def ensure_tokenizer(recipe: Recipe, workdir, force: bool = False) -> Step:
+    """Build the tokenizer step (and the corpus it is trained on) unless it is done."""
     from megatron_core.data import tokenizer as tok
 
     t = recipe.tokenizer
     needs_corpus = t.vocab_file is None and t.hf_tokenizer is None
-    corpus_file = corpus_path(recipe, workdir) if needs_corpus else None
+    corpus_file = ensure_corpus(recipe, workdir).directory / "corpus.jsonl" if needs_corpus else None
 
     def build(tmp: Path) -> dict:
         vocab, merges = tmp / "vocab.json", tmp / "merges.txt"
@@ -152,7 +164,8 @@ def tokenizer(recipe: Recipe, workdir, force: bool = False) -> Step:
 
 
 def tokenizer_files(recipe: Recipe, workdir) -> tuple[Path, Path]:
-    step = tokenizer(recipe, workdir)
+    """The built vocab.json and merges.txt (a lookup: see ensure_tokenizer to build them)."""
+    step = _done_step(recipe, workdir, "tokenizer", "tokenizer")
     return step.directory / "vocab.json", step.directory / "merges.txt"
 
 
@@ -186,12 +199,13 @@ def _iter_corpus_texts(path: Path, keys: list):
                         f"{', '.join(sorted(other_keys))}: set data.json_keys (e.g. --set data.json_keys=[content])")
 
 
-def preprocess(recipe: Recipe, workdir, force: bool = False) -> Step:
+def ensure_data(recipe: Recipe, workdir, force: bool = False) -> Step:
+    """Build the .bin/.idx step (and the corpus and tokenizer it needs) unless it is done."""
     from megatron_core.data.preprocess import preprocess as run_preprocess
     from megatron_core.data.preprocess import preprocess_args
 
-    vocab, merges = tokenizer_files(recipe, workdir)
-    corpus_file = corpus_path(recipe, workdir)
+    vocab, merges = (ensure_tokenizer(recipe, workdir).directory / name for name in ("vocab.json", "merges.txt"))
+    corpus_file = ensure_corpus(recipe, workdir).directory / "corpus.jsonl"
     d = recipe.data
 
     def build(tmp: Path) -> dict:
@@ -218,14 +232,23 @@ def preprocess(recipe: Recipe, workdir, force: bool = False) -> Step:
 
 def data_prefixes(recipe: Recipe, workdir) -> list:
     """What training reads: the recipe's explicit data_path (a prefix or a blend), else the
-    recipe's own preprocessed output (its json keys blended with equal weight)."""
+    recipe's own preprocessed output (its json keys blended with equal weight). A lookup: see
+    ensure_data to build it."""
     if recipe.data.data_path:
         return list(recipe.data.data_path)
-    step = preprocess(recipe, workdir)
+    step = _done_step(recipe, workdir, "preprocess", "preprocess")
     prefixes = [str(step.directory / p) for p in step.manifest()["prefixes"]]
     if len(prefixes) == 1:
         return prefixes
     return [x for p in prefixes for x in (1.0, p)]
+
+
+def ensure_training_inputs(recipe: Recipe, workdir) -> None:
+    """Build what training reads unless it is done: the tokenizer, and the .bin/.idx unless the
+    recipe names its own data_path."""
+    ensure_tokenizer(recipe, workdir)
+    if not recipe.data.data_path:
+        ensure_data(recipe, workdir)
 
 
 def run_dir(recipe: Recipe, workdir) -> Path:

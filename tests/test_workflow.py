@@ -23,19 +23,19 @@ def workdir(tmp_path_factory):
 
 def test_data_steps_build_once_and_are_reused(workdir, capsys):
     r = load_recipe("smoke")
-    step = workflow.preprocess(r, workdir)
+    step = workflow.ensure_data(r, workdir)
     manifest = step.manifest()
     assert manifest["recipe_hash"] == r.hash and manifest["stage_hash"] == r.stage_hash("preprocess")
     prefix = step.directory / manifest["prefixes"][0]
     ds = IndexedDataset(str(prefix))
     assert len(ds) > 0 and len(ds.document_indices) == manifest["summary"]["documents"] + 1
 
-    corpus_lines = (workflow.corpus(r, workdir).directory / "corpus.jsonl").read_text().splitlines()
+    corpus_lines = (workflow.ensure_corpus(r, workdir).directory / "corpus.jsonl").read_text().splitlines()
     assert len(corpus_lines) == r.corpus.max_documents
     assert all("content" in json.loads(line) for line in corpus_lines)
 
     capsys.readouterr()
-    again = workflow.preprocess(load_recipe("smoke", ["lr=0.5"]), workdir)  # a training value: data unchanged
+    again = workflow.ensure_data(load_recipe("smoke", ["lr=0.5"]), workdir)  # a training value: data unchanged
     assert again.directory == step.directory
     out = capsys.readouterr().out
     assert "preprocess: up to date" in out and "building" not in out
@@ -44,18 +44,18 @@ def test_data_steps_build_once_and_are_reused(workdir, capsys):
 def test_changed_input_gets_a_new_directory(workdir):
     base = load_recipe("smoke")
     changed = load_recipe("smoke", ["tokenizer.vocab_size=400"])
-    a = workflow.preprocess(base, workdir)
-    b = workflow.preprocess(changed, workdir)
+    a = workflow.ensure_data(base, workdir)
+    b = workflow.ensure_data(changed, workdir)
     assert a.directory != b.directory
     # The corpus did not change, so it is shared.
-    assert workflow.corpus(base, workdir).directory == workflow.corpus(changed, workdir).directory
-    assert workflow.tokenizer(changed, workdir).manifest()["vocab_size"] <= 400
+    assert workflow.ensure_corpus(base, workdir).directory == workflow.ensure_corpus(changed, workdir).directory
+    assert workflow.ensure_tokenizer(changed, workdir).manifest()["vocab_size"] <= 400
 
 
 def test_failed_step_leaves_nothing_that_looks_done(workdir):
     r = load_recipe("smoke", ["corpus.sources=[{type: jsonl, paths: [/nonexistent/*.jsonl]}]"])
     with pytest.raises(UserError):
-        workflow.corpus(r, workdir)
+        workflow.ensure_corpus(r, workdir)
     step = workflow.step_dir(r, workdir, "corpus")
     assert not step.directory.exists()
     assert not list(step.directory.parent.glob(step.directory.name + ".tmp-*"))
@@ -83,5 +83,14 @@ def test_invoke_recipes_lists_every_recipe():
 def test_tokenizer_on_keys_the_corpus_lacks_says_which_keys_it_has(workdir):
     r = load_recipe("smoke", ["data.json_keys=[text]"])  # Megatron's default key; our corpus writes `content`
     with pytest.raises(UserError, match=r"no text under data.json_keys \['text'\].*content.*data.json_keys"):
-        workflow.tokenizer(r, workdir)
+        workflow.ensure_tokenizer(r, workdir)
     assert not list((workdir / "smoke").glob(f"tokenizer-{r.stage_hash('tokenizer')}*"))  # nothing half-made
+
+
+def test_lookups_never_build_and_name_the_task_to_run(tmp_path):
+    r = load_recipe("smoke")
+    for lookup, task in ((workflow.corpus_path, "corpus"), (workflow.tokenizer_files, "tokenizer"),
+                         (workflow.data_prefixes, "preprocess")):
+        with pytest.raises(UserError, match=f"invoke {task} --recipe smoke"):
+            lookup(r, tmp_path)
+    assert list(tmp_path.iterdir()) == []  # nothing was built by asking
