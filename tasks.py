@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -290,7 +289,7 @@ def pipeline(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, human
                         "--set evaluate.humaneval=false for perplexity only")
     train(c, recipe=recipe, set_=set_, workdir=workdir)
     run = workflow.run_dir(r, workdir)
-    from megatron_core.training.checkpointing import read_tracker
+    from megatron_core.checkpoint_format import read_tracker
 
     if _converted_iteration(run / "hf") != read_tracker(run / "checkpoints"):
         convert(c, recipe=recipe, set_=set_, workdir=workdir, overwrite=True)  # none yet, or an older one

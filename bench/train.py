@@ -150,7 +150,7 @@ def build_hf(setup: Setup, start_state: dict):
     from megatron_core.convert.shards import shape_from_args
     from megatron_core.training.checkpointing import megatron_args
     from megatron_core.training.lr_schedule import OptimizerParamScheduler
-    from megatron_core.training.optimizer import param_groups
+    from megatron_core.optimizer.optimizer import param_groups
 
     recipe, device = setup.recipe, setup.device
     t = recipe.training

@@ -138,9 +138,6 @@ def build_model(recipe: Recipe, padded_vocab_size: int, device: torch.device, dt
     # TP x PP layout starts from the single process's weights (Megatron seeds stages apart for dropout).
     model = GPTModel(recipe.model, recipe.parallel, padded_vocab_size, fusions=fusions,
                      init_seed=recipe.training.seed)
-    head_copy = getattr(model, "word_embeddings_for_head", None)
-    if head_copy is not None:
-        head_copy.weight.shared = True  # a duplicate of the first stage's weight: not in the grad norm twice
     model = model.to(device=device, dtype=dtype)
     if recipe.training.compile:
         model.forward = torch.compile(model.forward)  # keeps state_dict keys unchanged
@@ -152,8 +149,8 @@ def build_model_and_optimizer(recipe: Recipe, padded_vocab_size: int, device: to
     what train() runs and what bench/train.py times, built one way."""
     from megatron_core.distributed import DistributedDataParallel
     from megatron_core.fusions import fused_adam_class, resolve_backends
-    from megatron_core.training.loss_scaler import ConstantGradScaler, DynamicGradScaler
-    from megatron_core.training.optimizer import AdamSettings, MegatronOptimizer
+    from megatron_core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+    from megatron_core.optimizer.optimizer import AdamSettings, MegatronOptimizer
 
     p, t = recipe.parallel, recipe.training
     precision, dtype = precision_of(recipe)
@@ -165,7 +162,7 @@ def build_model_and_optimizer(recipe: Recipe, padded_vocab_size: int, device: to
               if precision == "fp16" else ConstantGradScaler())
     settings = AdamSettings(t.lr, t.weight_decay, t.adam_beta1, t.adam_beta2, t.adam_eps)
     if p.use_distributed_optimizer:
-        from megatron_core.distributed.distributed_optimizer import DistributedOptimizer
+        from megatron_core.optimizer.distrib_optimizer import DistributedOptimizer
 
         model = DistributedDataParallel(model, p, reduce_kind="reduce_scatter")
         optimizer = DistributedOptimizer(model, settings, precision=precision, clip_grad=t.clip_grad,

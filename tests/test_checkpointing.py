@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from megatron_core.pretrain_gpt import train
+from megatron_core import checkpoint_format
 from megatron_core.training import checkpointing as ckpt
 from megatron_core.training.logging import read_metrics
 from training_fixtures import VOCAB_SIZE, tiny_recipe, train_losses, write_corpus
@@ -226,7 +227,7 @@ class Killed(BaseException):
 def test_save_killed_midway_leaves_previous_checkpoint_loadable(reference, tmp_path, monkeypatch, where):
     save = _checkpoint_copy(reference, tmp_path, 8)
     good = ckpt.load_checkpoint_file(ckpt.checkpoint_file(save, 8))
-    real_save, real_replace, real_write = torch.save, os.replace, ckpt._atomic_write_text
+    real_save, real_replace = torch.save, os.replace
 
     def dying_torch_save(obj, f, *a, **k):
         Path(f).write_bytes(b"half a checkpoint")
@@ -241,7 +242,7 @@ def test_save_killed_midway_leaves_previous_checkpoint_loadable(reference, tmp_p
         raise Killed
 
     patch = {"mid-file": (torch, "save", dying_torch_save), "before-rename": (os, "replace", dying_replace),
-             "before-tracker": (ckpt, "_atomic_write_text", dying_tracker)}[where]
+             "before-tracker": (checkpoint_format, "atomic_write_text", dying_tracker)}[where]
     monkeypatch.setattr(*patch)
     with pytest.raises(Killed):
         ckpt.save_checkpoint(save, 12, model_state=ckpt.flatten_model_state(good["model"]), args=good["args"],
@@ -256,6 +257,25 @@ def test_save_killed_midway_leaves_previous_checkpoint_loadable(reference, tmp_p
                          recipe=tiny_recipe(f"train_iters={ITERS}"), consumed_train_samples=48)
     assert ckpt.read_tracker(save) == 12 and not list(save.glob("*.tmp"))
     assert ckpt.load_latest(save)[1]["consumed_train_samples"] == 48
+
+
+@pytest.mark.parametrize("where", ["mid-file", "before-tracker"])
+def test_model_only_writer_killed_midway_leaves_previous_checkpoint(reference, tmp_path, monkeypatch, where):
+    """import-hf and the converters write through the same staging and publishing as training."""
+    save = _checkpoint_copy(reference, tmp_path, 8)
+    good = ckpt.load_checkpoint_file(ckpt.checkpoint_file(save, 8))
+
+    def dying(*args, **kwargs):
+        raise Killed
+
+    monkeypatch.setattr(*{"mid-file": (torch, "save", dying),
+                          "before-tracker": (checkpoint_format, "atomic_write_text", dying)}[where])
+    with pytest.raises(Killed):
+        checkpoint_format.write_checkpoint(save, {(0, 0): good["model"]}, good["args"], "release")
+    monkeypatch.undo()
+    assert ckpt.read_tracker(save) == 8 and ckpt.load_latest(save)[0] == 8
+    checkpoint_format.write_checkpoint(save, {(0, 0): good["model"]}, good["args"], "release")
+    assert ckpt.read_tracker(save) == "release" and not list(save.glob("*.tmp"))
 
 
 # -- the distributed optimizer's shards (DP 2, gloo) -------------------------------------------------

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from megatron_core.config import recipe_from_dict
-from megatron_core.convert.shards import ModelShape, split_state, write_checkpoint
+from megatron_core.checkpoint_format import write_checkpoint
+from megatron_core.convert.shards import ModelShape, split_state
 from megatron_core.training.checkpointing import megatron_args, save_checkpoint
 
 CORPUS = [

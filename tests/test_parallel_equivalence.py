@@ -27,7 +27,7 @@ from megatron_core.config import Recipe, recipe_from_dict
 from megatron_core.distributed import DistributedDataParallel
 from megatron_core.models.gpt import GPTModel
 from megatron_core.training.logging import RunLogger, read_metrics
-from megatron_core.training.optimizer import AdamSettings, MegatronOptimizer
+from megatron_core.optimizer.optimizer import AdamSettings, MegatronOptimizer
 
 SEQ = 16
 VOCAB = 100  # padded to 128 under TP 1 and TP 2 (make_vocab_size_divisible_by 64)
@@ -100,12 +100,9 @@ def build(recipe: Recipe):
         ps.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
     seed_everything(t.seed)
     module = GPTModel(recipe.model, p, recipe.padded_vocab_size(VOCAB), init_seed=t.seed)
-    head_copy = getattr(module, "word_embeddings_for_head", None)
-    if head_copy is not None:
-        head_copy.weight.shared = True  # as train.build_model: counted once in the grad norm
     settings = AdamSettings(t.lr, t.weight_decay, t.adam_beta1, t.adam_beta2, t.adam_eps)
     if p.use_distributed_optimizer:
-        from megatron_core.distributed.distributed_optimizer import DistributedOptimizer
+        from megatron_core.optimizer.distrib_optimizer import DistributedOptimizer
 
         model = DistributedDataParallel(module, p, reduce_kind="reduce_scatter")
         optimizer = DistributedOptimizer(model, settings, clip_grad=t.clip_grad)

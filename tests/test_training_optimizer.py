@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from megatron_core.training import flops
-from megatron_core.training.loss_scaler import ConstantGradScaler, DynamicGradScaler
-from megatron_core.training.optimizer import AdamSettings, MegatronOptimizer, param_groups
+from megatron_core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from megatron_core.optimizer.optimizer import AdamSettings, MegatronOptimizer, param_groups
 
 
 # -- loss scaler -----------------------------------------------------------------------------------
@@ -110,7 +110,8 @@ def test_grad_clipping_by_global_norm():
 
 
 def test_tp_replicated_and_shared_params_counted_once(monkeypatch):
-    """On TP rank 1 only tensor-parallel shards count; a `shared` copy never counts."""
+    """On TP rank 1 only tensor-parallel shards count; the last stage's copy of the tied
+    embedding (`shared_embedding` off the first stage) never counts."""
     from megatron_core import parallel_state
 
     model = TwoLayer()
@@ -121,7 +122,8 @@ def test_tp_replicated_and_shared_params_counted_once(monkeypatch):
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 1)
     _, norm, _ = opt.step()
     assert norm == pytest.approx(math.sqrt(model.dense.weight.numel()))
-    model.dense.weight.shared = True
+    model.dense.weight.shared_embedding = True
+    monkeypatch.setattr(parallel_state, "is_pipeline_first_stage", lambda: False)
     opt2 = _opt(model, "fp32", clip=0.0)
     for p in model.parameters():
         p.grad = torch.ones_like(p)

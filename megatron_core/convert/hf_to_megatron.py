@@ -17,15 +17,14 @@ from typing import Union
 
 import torch
 
+from megatron_core.checkpoint_format import TRACKER_FILENAME, write_checkpoint
 from megatron_core.convert.gpt2_mapping import gpt2_to_megatron_state
 from megatron_core.convert.megatron_to_hf import PROVENANCE_FILE, publish_dir
 from megatron_core.convert.shards import (
-    TRACKER_FILE,
     ModelShape,
     args_for_shape,
     check_divisible,
     split_state,
-    write_checkpoint,
 )
 from megatron_core.errors import UserError
 
@@ -75,7 +74,7 @@ def import_hf_model(model: Union[str, Path], save: Union[str, Path], tp: int = 1
     config = json.loads(config_file.read_text())
     shape = shape_from_hf_config(config)
     check_divisible(shape, tp, pp)
-    if (save / TRACKER_FILE).exists() and not overwrite:
+    if (save / TRACKER_FILENAME).exists() and not overwrite:
         raise UserError(f"{save} already holds a checkpoint; pass --overwrite to replace it")
     hf_state = {k.removeprefix("model."): v for k, v in read_hf_state(model).items()}
     if not shape.tied_embeddings and "lm_head.weight" not in hf_state:

@@ -14,7 +14,6 @@ the checkpoint_version 2.0/3.0 QKV row order (per head [q, k, v]):
 from __future__ import annotations
 
 import argparse
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,12 +21,16 @@ from typing import Any, Optional, Union
 
 import torch
 
+from megatron_core.checkpoint_format import (
+    MODEL_FILENAME,
+    RELEASE,
+    TRACKER_FILENAME,
+    iteration_dir,
+    load_checkpoint_file,
+    nest_model_state,
+    parse_rank_dirname,
+)
 from megatron_core.errors import UserError
-from megatron_core.training.checkpointing import load_checkpoint_file, nest_model_state
-
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
-SHARD_FILE = "model_optim_rng.pt"
-_SHARD_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 
 # Partition dimension of each tensor-parallel weight (None: replicated on every TP rank).
 _VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "word_embeddings_for_head.weight", "output_layer.weight")
@@ -108,17 +111,16 @@ def resolve_iteration_dir(load_dir: Union[str, Path], iteration=None) -> tuple[P
     if not load_dir.is_dir():
         raise UserError(f"checkpoint directory {load_dir} does not exist; pass the --save dir of a training run")
     if iteration is None or iteration == "latest":
-        tracker = load_dir / TRACKER_FILE
+        tracker = load_dir / TRACKER_FILENAME
         if not tracker.exists():
             found = sorted(p.name for p in load_dir.glob("iter_*"))
             hint = f" (found {', '.join(found)}; pass --iteration N)" if found else ""
-            raise UserError(f"{load_dir} is not a Megatron checkpoint directory: no {TRACKER_FILE}{hint}")
+            raise UserError(f"{load_dir} is not a Megatron checkpoint directory: no {TRACKER_FILENAME}{hint}")
         text = tracker.read_text().strip()
-        iteration = text if text == "release" else _parse_int(text, tracker)
-    elif iteration != "release":
+        iteration = text if text == RELEASE else _parse_int(text, tracker)
+    elif iteration != RELEASE:
         iteration = _parse_int(str(iteration), "--iteration")
-    sub = "release" if iteration == "release" else f"iter_{iteration:07d}"
-    path = load_dir / sub
+    path = iteration_dir(load_dir, iteration)
     if not path.is_dir():
         raise UserError(f"{path} does not exist; the checkpoint has no iteration {iteration}")
     return path, iteration
@@ -134,13 +136,13 @@ def _parse_int(text: str, where) -> int:
 def find_shard_files(iter_dir: Path) -> dict[tuple[int, int], Path]:
     shards = {}
     for child in sorted(iter_dir.iterdir()):
-        match = _SHARD_DIR.match(child.name)
-        if not match:
+        ranks = parse_rank_dirname(child.name)
+        if ranks is None:
             continue
-        file = child / SHARD_FILE
+        file = child / MODEL_FILENAME
         if not file.exists():
-            raise UserError(f"shard {child} has no {SHARD_FILE}; the checkpoint is incomplete (re-save or copy it again)")
-        shards[(int(match.group(1)), int(match.group(2) or 0))] = file
+            raise UserError(f"shard {child} has no {MODEL_FILENAME}; the checkpoint is incomplete (re-save or copy it again)")
+        shards[ranks] = file
     if not shards:
         raise UserError(f"{iter_dir} holds no mp_rank_* shard folders; it is not a Megatron checkpoint")
     return shards
@@ -373,10 +375,6 @@ def split_state(state: dict, shape: ModelShape, tp: int, pp: int) -> dict[tuple[
     return out
 
 
-def shard_dir_name(tp_rank: int, pp_rank: int, pp: int) -> str:
-    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
-
-
 def args_for_shape(shape: ModelShape, tp: int, pp: int, **extra) -> argparse.Namespace:
     """The args fields Megatron tools (and transformers' converter) read from a checkpoint."""
     return argparse.Namespace(
@@ -396,22 +394,3 @@ def args_for_shape(shape: ModelShape, tp: int, pp: int, **extra) -> argparse.Nam
         tokenizer_type="GPT2BPETokenizer",
         **extra,
     )
-
-
-def write_checkpoint(save_dir, models: dict, args, iteration: Union[int, str], extra: Optional[dict] = None) -> Path:
-    """Write {(tp, pp): model dict} as a legacy Megatron checkpoint (model only, no optimizer state);
-    each shard file goes to a temp name first, the tracker file last."""
-    save_dir = Path(save_dir)
-    pp = 1 + max(p for _, p in models)
-    sub = "release" if iteration == "release" else f"iter_{int(iteration):07d}"
-    for (t, p), model in sorted(models.items()):
-        shard_dir = save_dir / sub / shard_dir_name(t, p, pp)
-        shard_dir.mkdir(parents=True, exist_ok=True)
-        payload = {"args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": model, **(extra or {})}
-        tmp = shard_dir / (SHARD_FILE + ".tmp")
-        torch.save(payload, tmp)
-        os.replace(tmp, shard_dir / SHARD_FILE)
-    tracker_tmp = save_dir / (TRACKER_FILE + ".tmp")
-    tracker_tmp.write_text(str(iteration))
-    os.replace(tracker_tmp, save_dir / TRACKER_FILE)
-    return save_dir / sub

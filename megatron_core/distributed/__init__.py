@@ -16,7 +16,7 @@
         What the schedules call after the last backward: the wrapper's finish_grad_sync(), or,
         for a bare model (DP = 1), the sequence-parallel and tied-embedding sums on their own.
 
-    DistributedOptimizer: see distributed_optimizer.py.
+    The distributed optimizer that shards over these buckets lives in megatron_core.optimizer.
 """
 
 from __future__ import annotations

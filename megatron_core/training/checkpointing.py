@@ -1,182 +1,50 @@
-"""Megatron legacy checkpoints: layout, atomic save, safe load, exact-resume state.
+"""A whole training state in Megatron's checkpoint format (megatron_core.checkpoint_format):
+what goes into each rank's file, the collective save, resume-time checks, RNG state.
 
-    {save}/latest_checkpointed_iteration.txt          the iteration number, replaced last
-    {save}/iter_{it:07d}/mp_rank_{tp:02d}/model_optim_rng.pt          (PP = 1)
-    {save}/iter_{it:07d}/mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt (PP > 1)
-
-Every (TP, PP) rank with DP rank 0 writes its own file into `iter_{it}.tmp/`, all ranks meet at a
-barrier, global rank 0 renames the directory into place and then replaces the tracker file, so a
-kill at any moment leaves the previous checkpoint complete and the tracker pointing at it.
+Every (TP, PP) rank with DP rank 0 writes its own file into the staging directory, all ranks meet
+at a barrier, global rank 0 publishes the iteration (directory into place, then the tracker).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from megatron_core import parallel_state
-from megatron_core.errors import UserError
+from megatron_core.checkpoint_format import (  # noqa: F401 - re-exported: the names training callers use
+    CHECKPOINT_VERSION,
+    DISTRIB_OPTIM_FILENAME,
+    MODEL_FILENAME,
+    RELEASE,
+    TRACKER_FILENAME,
+    CheckpointError,
+    checkpoint_file,
+    flatten_model_state,
+    iteration_dir,
+    load_checkpoint_file,
+    nest_model_state,
+    publish_iteration,
+    rank_dirname,
+    read_tracker,
+    staging_dir,
+    write_rank_file,
+)
 
-CHECKPOINT_VERSION = 3.0
-TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
-MODEL_FILENAME = "model_optim_rng.pt"
-DISTRIB_OPTIM_FILENAME = "distrib_optim.pt"  # the distributed optimizer's gathered shards, beside the model file
-
-RELEASE = "release"  # the tracker's word for a checkpoint of weights only (import-hf, Megatron-LM releases)
-
-
-def _numpy_array_globals() -> list:
-    """What unpickling a plain numpy array needs: Megatron-LM saves np.random.get_state() in rng_state."""
-    try:
-        from numpy._core.multiarray import _reconstruct  # numpy >= 2
-    except ImportError:  # pragma: no cover - numpy 1.x
-        from numpy.core.multiarray import _reconstruct
-    dtype_classes = [type(np.dtype(t)) for t in (np.uint32, np.int64, np.float64, np.float32, np.int32)]
-    return [_reconstruct, np.ndarray, np.dtype, *dtype_classes]
-
-
-# What checkpoint files (ours and Megatron-LM's) hold beyond tensors and plain containers.
-SAFE_GLOBALS = [argparse.Namespace, *_numpy_array_globals()]
-
-
-class CheckpointError(UserError):
-    """A checkpoint is missing, unreadable or does not fit this run."""
+def _my_rank() -> tuple[int, int, int]:
+    """(tp rank, pp rank, pp size) of this process."""
+    return (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank(),
+            parallel_state.get_pipeline_model_parallel_world_size())
 
 
-# ----------------------------------------------------------------------------------------------
-# Model nesting (conventions item 2)
-# ----------------------------------------------------------------------------------------------
-
-_EMBEDDING_PREFIX = "embedding."
-_ENCODER_PREFIX = "encoder."
-_OUTPUT_LAYER_PREFIX = "output_layer."
-_HEAD_PREFIX = "word_embeddings_for_head."
-
-
-def nest_model_state(flat: dict[str, torch.Tensor]) -> dict:
-    """GPTModel.state_dict() -> Megatron's nested `model` dict."""
-    lm: dict[str, Any] = {}
-    nested: dict[str, Any] = {"language_model": lm}
-    for key, value in flat.items():
-        if key.startswith(_EMBEDDING_PREFIX):
-            module, _, leaf = key[len(_EMBEDDING_PREFIX):].partition(".")
-            lm.setdefault("embedding", {}).setdefault(module, {})[leaf] = value
-        elif key.startswith(_ENCODER_PREFIX):
-            lm.setdefault("encoder", {})[key[len(_ENCODER_PREFIX):]] = value
-        elif key.startswith(_OUTPUT_LAYER_PREFIX):
-            lm.setdefault("output_layer", {})[key[len(_OUTPUT_LAYER_PREFIX):]] = value
-        elif key.startswith(_HEAD_PREFIX):
-            nested.setdefault("word_embeddings_for_head", {})[key[len(_HEAD_PREFIX):]] = value
-        else:
-            raise ValueError(f"model parameter {key!r} has no place in Megatron's checkpoint layout")
-    return nested
-
-
-def flatten_model_state(nested: dict) -> dict[str, torch.Tensor]:
-    """Megatron's nested `model` dict -> flat GPTModel.state_dict() keys (inverse of nest_model_state)."""
-    flat: dict[str, torch.Tensor] = {}
-    lm = nested.get("language_model", {})
-    for module, leaves in lm.get("embedding", {}).items():
-        for leaf, value in leaves.items():
-            flat[f"{_EMBEDDING_PREFIX}{module}.{leaf}"] = value
-    for key, value in lm.get("encoder", {}).items():
-        flat[_ENCODER_PREFIX + key] = value
-    for key, value in lm.get("output_layer", {}).items():
-        flat[_OUTPUT_LAYER_PREFIX + key] = value
-    for key, value in nested.get("word_embeddings_for_head", {}).items():
-        flat[_HEAD_PREFIX + key] = value
-    unknown = set(lm) - {"embedding", "encoder", "output_layer"}
-    if unknown or set(nested) - {"language_model", "word_embeddings_for_head"}:
-        raise CheckpointError(f"checkpoint model dict has unexpected entries {sorted(unknown)}; "
-                              "is it a Megatron GPT checkpoint?")
-    return flat
-
-
-# ----------------------------------------------------------------------------------------------
-# Paths
-# ----------------------------------------------------------------------------------------------
-
-
-def iteration_dir(save: Path, iteration) -> Path:
-    return Path(save) / (RELEASE if iteration == RELEASE else f"iter_{iteration:07d}")
-
-
-def rank_dirname(tp_rank: int, pp_rank: int, pp_size: int) -> str:
-    return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
-
-
-def checkpoint_file(save: Path, iteration: int, tp_rank: int = 0, pp_rank: int = 0, pp_size: int = 1) -> Path:
-    return iteration_dir(save, iteration) / rank_dirname(tp_rank, pp_rank, pp_size) / MODEL_FILENAME
-
-
-def read_tracker(load: Path):
-    """The latest iteration saved under `load` (an int, or "release" for weights only), or None when
-    there is no checkpoint there."""
-    tracker = Path(load) / TRACKER_FILENAME
-    if not tracker.exists():
-        return None
-    text = tracker.read_text().strip()
-    if text == RELEASE:
-        return RELEASE
-    try:
-        return int(text)
-    except ValueError:
-        raise CheckpointError(f"{tracker} holds {text!r}, not an iteration number; delete it or point "
-                              "--load at a valid checkpoint directory") from None
-
-
-def _my_rank_file(save: Path, iteration: int, tmp: bool = False) -> Path:
-    directory = iteration_dir(save, iteration)
-    if tmp:
-        directory = directory.with_name(directory.name + ".tmp")
-    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
-    name = rank_dirname(parallel_state.get_tensor_model_parallel_rank(),
-                        parallel_state.get_pipeline_model_parallel_rank(), pp_size)
-    return directory / name / MODEL_FILENAME
-
-
-# ----------------------------------------------------------------------------------------------
-# Load / save one file
-# ----------------------------------------------------------------------------------------------
-
-
-def load_checkpoint_file(path) -> dict:
-    """torch.load(weights_only=True) with our explicit allow-list (argparse.Namespace)."""
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"checkpoint file {path} does not exist")
-    with torch.serialization.safe_globals(SAFE_GLOBALS):
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - a truncated or foreign file: one message for people
-            raise CheckpointError(f"cannot read checkpoint {path}: {type(exc).__name__}: "
-                                  f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
-
-
-def _atomic_torch_save(obj: Any, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    with open(tmp, "rb") as handle:
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+def _my_rank_file(save: Path, iteration: int) -> Path:
+    return checkpoint_file(save, iteration, *_my_rank())
 
 
 def _barrier() -> None:
@@ -262,11 +130,9 @@ def save_checkpoint(save, iteration: int, *, model_state: dict, args: argparse.N
     """Write iteration `iteration` atomically; returns the iteration directory. Collective: every
     rank calls it (DP rank 0 of each (TP, PP) writes)."""
     save = Path(save)
-    final_dir = iteration_dir(save, iteration)
-    tmp_dir = final_dir.with_name(final_dir.name + ".tmp")
     is_global_zero = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
     if is_global_zero:
-        shutil.rmtree(tmp_dir, ignore_errors=True)  # leftovers of a save killed midway
+        shutil.rmtree(staging_dir(save, iteration), ignore_errors=True)  # leftovers of a save killed midway
     _barrier()
     # The distributed optimizer gathers its shards to DP rank 0 (collective: every DP rank joins).
     sharded = None
@@ -289,21 +155,13 @@ def save_checkpoint(save, iteration: int, *, model_state: dict, args: argparse.N
             state["opt_param_scheduler"] = scheduler.state_dict()
         if extra:
             state.update(extra)
-        rank_file = _my_rank_file(save, iteration, tmp=True)
         if sharded is not None:
-            _atomic_torch_save(sharded, rank_file.with_name(DISTRIB_OPTIM_FILENAME))
-        _atomic_torch_save(state, rank_file)
+            write_rank_file(save, iteration, *_my_rank(), sharded, filename=DISTRIB_OPTIM_FILENAME)
+        write_rank_file(save, iteration, *_my_rank(), state)
     _barrier()
+    final_dir = iteration_dir(save, iteration)
     if is_global_zero:
-        if final_dir.exists():  # re-saving an iteration: move the old one aside, then drop it
-            old = final_dir.with_name(final_dir.name + ".old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final_dir, old)
-            os.replace(tmp_dir, final_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp_dir, final_dir)
-        _atomic_write_text(save / TRACKER_FILENAME, f"{iteration}\n")
+        publish_iteration(save, iteration)
     _barrier()
     return final_dir
 

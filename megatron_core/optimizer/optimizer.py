@@ -9,22 +9,25 @@ The interface the training loop talks to (the distributed optimizer implements t
 `step()` copies model grads into fp32 master grads, unscales them, skips the update when fp16
 grads overflowed (ok=False; the loss scaler backs off), clips by the global L2 norm, runs the
 inner Adam on the fp32 master weights and copies them back into the (fp16/bf16) model params.
-The norm is reduced over the model-parallel group, counting parameters replicated across TP
-ranks (norm weights, row-parallel biases: no `tensor_model_parallel` attribute) on TP rank 0
-only and parameters marked `shared` (the tied head copy on the last stage) not at all.
+The norm is reduced over the model-parallel group and counts each weight once per replica
+(clip_grads.counts_for_norm, the rule the distributed optimizer uses too).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
 import torch
-import torch.distributed as dist
 
 from megatron_core import parallel_state
-from megatron_core.training.loss_scaler import ConstantGradScaler, DynamicGradScaler
+from megatron_core.optimizer.clip_grads import (
+    clip_by_norm_,
+    counts_for_norm,
+    global_grad_norm,
+    unscale_and_check_overflow,
+)
+from megatron_core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 
 
 def no_weight_decay(name: str, param: torch.Tensor) -> bool:
@@ -62,24 +65,6 @@ def build_adam(groups: list[dict], settings: AdamSettings, device: torch.device,
     return torch.optim.AdamW(groups, foreach=True, **kwargs), "torch.optim.AdamW(foreach=True)"
 
 
-def _counts_for_norm(param: torch.Tensor) -> bool:
-    if getattr(param, "shared", False):
-        return False
-    return getattr(param, "tensor_model_parallel", False) or parallel_state.get_tensor_model_parallel_rank() == 0
-
-
-def global_grad_norm(grads_for_norm: list[torch.Tensor]) -> float:
-    """L2 norm of the given grads, summed over the model-parallel group (TP x PP)."""
-    device = grads_for_norm[0].device if grads_for_norm else torch.device("cpu")
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for grad in grads_for_norm:
-        total += grad.detach().float().pow(2).sum()
-    group = parallel_state.get_model_parallel_group()
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(total, group=group)
-    return float(total.sqrt())
-
-
 class MegatronOptimizer:
     def __init__(self, model: torch.nn.Module, settings: AdamSettings, *, precision: str = "fp32",
                  clip_grad: float = 1.0, grad_scaler=None, device: Optional[torch.device] = None,
@@ -100,9 +85,6 @@ class MegatronOptimizer:
             for p in self.model_params:
                 master = p.detach().clone().float()
                 master.requires_grad_(True)
-                for attr in ("tensor_model_parallel", "shared"):
-                    if hasattr(p, attr):
-                        setattr(master, attr, getattr(p, attr))
                 self.master_params.append(master)
         master_by_model = {id(p): m for p, m in zip(self.model_params, self.master_params)}
         groups = param_groups(((n, master_by_model[id(p)]) for n, p in named), settings.weight_decay)
@@ -133,50 +115,35 @@ class MegatronOptimizer:
 
     def step(self, count_zeros: bool = False) -> tuple[bool, Optional[float], Optional[int]]:
         """(ok, grad_norm, num_zeros): ok is False when the step was skipped for inf/NaN grads."""
-        grads = self._master_grads_unscaled()
+        pairs = self._master_grads()
+        grads = [g for _, g in pairs]
+        group = parallel_state.get_model_parallel_group()  # DP replicas hold the same reduced grads
         if self.precision == "fp16":
-            found_inf = self._found_inf(grads)
+            found_inf = unscale_and_check_overflow(grads, self.loss_scale, group)
             self.grad_scaler.update(found_inf)
             if found_inf:
                 return False, None, None
-        grad_norm = global_grad_norm([g for m, g in zip(self.master_params, grads)
-                                      if g is not None and _counts_for_norm(m)])
-        if self.clip_grad > 0 and math.isfinite(grad_norm):
-            coeff = self.clip_grad / (grad_norm + 1.0e-6)
-            if coeff < 1.0:
-                torch._foreach_mul_([g for g in grads if g is not None], coeff)
-        num_zeros = sum(int((g == 0).sum()) for g in grads if g is not None) if count_zeros else None
+        elif self.loss_scale != 1.0:
+            torch._foreach_mul_(grads, 1.0 / self.loss_scale)
+        grad_norm = global_grad_norm([g for p, g in pairs if counts_for_norm(p)], [group])
+        clip_by_norm_(grads, grad_norm, self.clip_grad)
+        num_zeros = sum(int((g == 0).sum()) for g in grads) if count_zeros else None
         self.optimizer.step()
         if self.master_params is not self.model_params:
             with torch.no_grad():
-                for p, m in zip(self.model_params, self.master_params):
-                    p.copy_(m)
+                torch._foreach_copy_(self.model_params, self.master_params)
         return True, grad_norm, num_zeros
 
-    def _master_grads_unscaled(self) -> list[Optional[torch.Tensor]]:
-        inverse = 1.0 / self.loss_scale
-        grads = []
+    def _master_grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(model param, its master's fp32 grad) for every param that got a gradient."""
+        pairs = []
         for p, m in zip(self.model_params, self.master_params):
             if p.grad is None:
-                grads.append(None)
                 continue
             if m is not p:
                 m.grad = p.grad.detach().float()
-            if inverse != 1.0:
-                m.grad.mul_(inverse)
-            grads.append(m.grad)
-        return grads
-
-    def _found_inf(self, grads: list[Optional[torch.Tensor]]) -> bool:
-        present = [g for g in grads if g is not None]
-        device = present[0].device if present else torch.device("cpu")
-        found = torch.zeros((), dtype=torch.float32, device=device)
-        for g in present:
-            found = torch.maximum(found, (~torch.isfinite(g)).any().float())
-        group = parallel_state.get_model_parallel_group()
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
-        return bool(found.item() > 0)
+            pairs.append((p, m.grad))
+        return pairs
 
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict:

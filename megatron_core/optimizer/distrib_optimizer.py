@@ -23,7 +23,6 @@ grad_norm, num_zeros), param_groups, state_dict/load_state_dict), plus for check
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -32,8 +31,14 @@ import torch.distributed as dist
 
 from megatron_core import parallel_state as ps
 from megatron_core.distributed.grad_sync import Bucket, all_gather_into
-from megatron_core.training.loss_scaler import ConstantGradScaler, DynamicGradScaler
-from megatron_core.training.optimizer import AdamSettings, build_adam, no_weight_decay
+from megatron_core.optimizer.clip_grads import (
+    clip_by_norm_,
+    counts_for_norm,
+    global_grad_norm,
+    unscale_and_check_overflow,
+)
+from megatron_core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from megatron_core.optimizer.optimizer import AdamSettings, build_adam, no_weight_decay
 
 ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -49,15 +54,6 @@ class _Piece:
     shard_start: int  # first element in this rank's bucket slice
     numel: int
     master: torch.Tensor  # fp32 leaf, what Adam updates
-
-
-def _counts_for_norm(param: torch.Tensor) -> bool:
-    """Count every weight once per model replica: TP-replicated ones on TP rank 0, the last stage's
-    copy of the tied embedding not at all (the first stage counts it)."""
-    if getattr(param, "shared", False) or (getattr(param, "shared_embedding", False)
-                                           and not ps.is_pipeline_first_stage()):
-        return False
-    return getattr(param, "tensor_model_parallel", False) or ps.get_tensor_model_parallel_rank() == 0
 
 
 def _all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
@@ -130,18 +126,18 @@ class DistributedOptimizer:
                 raise RuntimeError("step() before any backward: no reduce-scattered gradients exist")
             piece.master.grad = piece.bucket.grad_shard[piece.shard_start:piece.shard_start + piece.numel]
             grads.append(piece.master.grad)
-        if self.loss_scale != 1.0 and grads:
-            torch._foreach_mul_(grads, 1.0 / self.loss_scale)
         if self.precision == "fp16":
-            found_inf = self._found_inf(grads)
+            # Every rank of the world: each DP rank holds other pieces of the gradients.
+            world = dist.group.WORLD if dist.is_initialized() else None
+            found_inf = unscale_and_check_overflow(grads, self.loss_scale, world, self._device())
             self.grad_scaler.update(found_inf)
             if found_inf:
                 return False, None, None
-        grad_norm = self._grad_norm()
-        if self.clip_grad > 0 and math.isfinite(grad_norm):
-            coeff = self.clip_grad / (grad_norm + 1.0e-6)
-            if coeff < 1.0 and grads:
-                torch._foreach_mul_(grads, coeff)
+        elif self.loss_scale != 1.0 and grads:
+            torch._foreach_mul_(grads, 1.0 / self.loss_scale)
+        grad_norm = global_grad_norm([p.master.grad for p in self.pieces if counts_for_norm(p.param)],
+                                     [self.dp_group, ps.get_model_parallel_group()], self._device())
+        clip_by_norm_(grads, grad_norm, self.clip_grad)
         num_zeros = None
         if count_zeros:
             zeros = torch.tensor(float(sum(int((g == 0).sum()) for g in grads)))
@@ -150,22 +146,6 @@ class DistributedOptimizer:
         self.optimizer.step()
         self._all_gather_params()
         return True, grad_norm, num_zeros
-
-    def _found_inf(self, grads: list[torch.Tensor]) -> bool:
-        found = torch.zeros((), dtype=torch.float32, device=self._device())
-        for grad in grads:
-            found = torch.maximum(found, (~torch.isfinite(grad)).any().float())
-        _all_reduce(found, None if not dist.is_initialized() else dist.group.WORLD, dist.ReduceOp.MAX)
-        return bool(found.item() > 0)
-
-    def _grad_norm(self) -> float:
-        total = torch.zeros((), dtype=torch.float32, device=self._device())
-        for piece in self.pieces:
-            if _counts_for_norm(piece.param):
-                total += piece.master.grad.float().pow(2).sum()
-        _all_reduce(total, self.dp_group)
-        _all_reduce(total, ps.get_model_parallel_group())
-        return float(total.sqrt())
 
     def _device(self) -> torch.device:
         return self.model_params[0].device if self.model_params else torch.device("cpu")

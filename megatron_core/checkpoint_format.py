@@ -1,0 +1,239 @@
+"""Megatron's legacy checkpoint format on disk: one module that training, convert and import-hf
+share (layout, tracker file, nesting of model keys, the safe loader and the one atomic writer).
+The facts it follows are written down in docs/checkpoint-format.md.
+
+    {save}/latest_checkpointed_iteration.txt          the iteration number (or "release"), replaced last
+    {save}/iter_{it:07d}/mp_rank_{tp:02d}/model_optim_rng.pt          (PP = 1)
+    {save}/iter_{it:07d}/mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt (PP > 1)
+
+Writing: every rank file goes into `iter_{it}.tmp/` (written to a temporary name, fsynced,
+renamed), then one process renames the directory into place and replaces the tracker file, so a
+kill at any moment leaves the previous checkpoint complete and the tracker pointing at it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import numpy as np
+import torch
+
+from megatron_core.errors import UserError
+
+CHECKPOINT_VERSION = 3.0
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+MODEL_FILENAME = "model_optim_rng.pt"
+DISTRIB_OPTIM_FILENAME = "distrib_optim.pt"  # the distributed optimizer's gathered shards, beside the model file
+
+RELEASE = "release"  # the tracker's word for a checkpoint of weights only (import-hf, Megatron-LM releases)
+
+
+def _numpy_array_globals() -> list:
+    """What unpickling a plain numpy array needs: Megatron-LM saves np.random.get_state() in rng_state."""
+    try:
+        from numpy._core.multiarray import _reconstruct  # numpy >= 2
+    except ImportError:  # pragma: no cover - numpy 1.x
+        from numpy.core.multiarray import _reconstruct
+    dtype_classes = [type(np.dtype(t)) for t in (np.uint32, np.int64, np.float64, np.float32, np.int32)]
+    return [_reconstruct, np.ndarray, np.dtype, *dtype_classes]
+
+
+# What checkpoint files (ours and Megatron-LM's) hold beyond tensors and plain containers.
+SAFE_GLOBALS = [argparse.Namespace, *_numpy_array_globals()]
+
+
+class CheckpointError(UserError):
+    """A checkpoint is missing, unreadable or does not fit this run."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Model nesting (conventions item 2)
+# ----------------------------------------------------------------------------------------------
+
+_EMBEDDING_PREFIX = "embedding."
+_ENCODER_PREFIX = "encoder."
+_OUTPUT_LAYER_PREFIX = "output_layer."
+_HEAD_PREFIX = "word_embeddings_for_head."
+
+
+def nest_model_state(flat: dict[str, torch.Tensor]) -> dict:
+    """GPTModel.state_dict() -> Megatron's nested `model` dict."""
+    lm: dict[str, Any] = {}
+    nested: dict[str, Any] = {"language_model": lm}
+    for key, value in flat.items():
+        if key.startswith(_EMBEDDING_PREFIX):
+            module, _, leaf = key[len(_EMBEDDING_PREFIX):].partition(".")
+            lm.setdefault("embedding", {}).setdefault(module, {})[leaf] = value
+        elif key.startswith(_ENCODER_PREFIX):
+            lm.setdefault("encoder", {})[key[len(_ENCODER_PREFIX):]] = value
+        elif key.startswith(_OUTPUT_LAYER_PREFIX):
+            lm.setdefault("output_layer", {})[key[len(_OUTPUT_LAYER_PREFIX):]] = value
+        elif key.startswith(_HEAD_PREFIX):
+            nested.setdefault("word_embeddings_for_head", {})[key[len(_HEAD_PREFIX):]] = value
+        else:
+            raise ValueError(f"model parameter {key!r} has no place in Megatron's checkpoint layout")
+    return nested
+
+
+def flatten_model_state(nested: dict) -> dict[str, torch.Tensor]:
+    """Megatron's nested `model` dict -> flat GPTModel.state_dict() keys (inverse of nest_model_state)."""
+    flat: dict[str, torch.Tensor] = {}
+    lm = nested.get("language_model", {})
+    for module, leaves in lm.get("embedding", {}).items():
+        for leaf, value in leaves.items():
+            flat[f"{_EMBEDDING_PREFIX}{module}.{leaf}"] = value
+    for key, value in lm.get("encoder", {}).items():
+        flat[_ENCODER_PREFIX + key] = value
+    for key, value in lm.get("output_layer", {}).items():
+        flat[_OUTPUT_LAYER_PREFIX + key] = value
+    for key, value in nested.get("word_embeddings_for_head", {}).items():
+        flat[_HEAD_PREFIX + key] = value
+    unknown = set(lm) - {"embedding", "encoder", "output_layer"}
+    if unknown or set(nested) - {"language_model", "word_embeddings_for_head"}:
+        raise CheckpointError(f"checkpoint model dict has unexpected entries {sorted(unknown)}; "
+                              "is it a Megatron GPT checkpoint?")
+    return flat
+
+
+# ----------------------------------------------------------------------------------------------
+# Paths
+# ----------------------------------------------------------------------------------------------
+
+
+def iteration_dir(save: Path, iteration) -> Path:
+    return Path(save) / (RELEASE if iteration == RELEASE else f"iter_{iteration:07d}")
+
+
+def rank_dirname(tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    """The one name of a (TP, PP) rank's directory (Megatron's `get_checkpoint_name`)."""
+    return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+_RANK_DIRNAME = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+
+
+def parse_rank_dirname(name: str) -> Optional[tuple[int, int]]:
+    """(tp rank, pp rank) of a rank directory's name, None for anything else (inverse of rank_dirname)."""
+    match = _RANK_DIRNAME.match(name)
+    return None if match is None else (int(match[1]), int(match[2] or 0))
+
+
+def staging_dir(save: Path, iteration) -> Path:
+    """Where an iteration is written before it is published."""
+    final = iteration_dir(save, iteration)
+    return final.with_name(final.name + ".tmp")
+
+
+def checkpoint_file(save: Path, iteration: int, tp_rank: int = 0, pp_rank: int = 0, pp_size: int = 1) -> Path:
+    return iteration_dir(save, iteration) / rank_dirname(tp_rank, pp_rank, pp_size) / MODEL_FILENAME
+
+
+def read_tracker(load: Path):
+    """The latest iteration saved under `load` (an int, or "release" for weights only), or None when
+    there is no checkpoint there."""
+    tracker = Path(load) / TRACKER_FILENAME
+    if not tracker.exists():
+        return None
+    text = tracker.read_text().strip()
+    if text == RELEASE:
+        return RELEASE
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(f"{tracker} holds {text!r}, not an iteration number; delete it or point "
+                              "--load at a valid checkpoint directory") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# Load / write
+# ----------------------------------------------------------------------------------------------
+
+
+def load_checkpoint_file(path) -> dict:
+    """torch.load(weights_only=True) with our explicit allow-list (argparse.Namespace)."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint file {path} does not exist")
+    with torch.serialization.safe_globals(SAFE_GLOBALS):
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - a truncated or foreign file: one message for people
+            raise CheckpointError(f"cannot read checkpoint {path}: {type(exc).__name__}: "
+                                  f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+
+
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    torch.save(obj, tmp)
+    with open(tmp, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename inside `path` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_rank_file(save: Path, iteration, tp_rank: int, pp_rank: int, pp_size: int, state: dict,
+                    filename: str = MODEL_FILENAME) -> Path:
+    """One rank's file into the iteration's staging directory (atomic, fsynced)."""
+    path = staging_dir(Path(save), iteration) / rank_dirname(tp_rank, pp_rank, pp_size) / filename
+    atomic_torch_save(state, path)
+    return path
+
+
+def publish_iteration(save: Path, iteration) -> Path:
+    """Move the staged iteration into place (replacing an older copy of it), then the tracker."""
+    save = Path(save)
+    final_dir, tmp_dir = iteration_dir(save, iteration), staging_dir(save, iteration)
+    if final_dir.exists():  # re-saving an iteration: move the old one aside, then drop it
+        old = final_dir.with_name(final_dir.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final_dir, old)
+        os.replace(tmp_dir, final_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp_dir, final_dir)
+    _fsync_dir(save)
+    atomic_write_text(save / TRACKER_FILENAME, f"{iteration}\n")
+    _fsync_dir(save)
+    return final_dir
+
+
+def write_checkpoint(save, models: dict, args: argparse.Namespace, iteration: Union[int, str],
+                     extra: Optional[dict] = None) -> Path:
+    """Write {(tp, pp): nested model dict} from one process as a model-only checkpoint (what
+    import-hf and the converters write), through the same staging and publishing as training."""
+    save = Path(save)
+    pp_size = 1 + max(p for _, p in models)
+    shutil.rmtree(staging_dir(save, iteration), ignore_errors=True)
+    for (tp_rank, pp_rank), model in sorted(models.items()):
+        payload = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration, "model": model,
+                   **(extra or {})}
+        write_rank_file(save, iteration, tp_rank, pp_rank, pp_size, payload)
+    return publish_iteration(save, iteration)

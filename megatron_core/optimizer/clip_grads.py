@@ -1,0 +1,62 @@
+"""The gradient arithmetic both optimizers share: which parameters a norm counts, the global L2
+norm, and the fp16 overflow check, each one fused call over all gradients (torch._foreach_norm,
+torch._amp_foreach_non_finite_check_and_unscale_) instead of a Python loop over parameters."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_core import parallel_state as ps
+
+
+def counts_for_norm(param: torch.Tensor) -> bool:
+    """Count every weight once per model replica (Megatron's `param_is_not_shared` and
+    `param_is_not_tensor_parallel_duplicate`): parameters replicated over TP ranks (norms,
+    row-parallel biases) on TP rank 0 only; the last pipeline stage's copy of the tied word
+    embedding not at all (the first stage counts it)."""
+    if getattr(param, "shared_embedding", False) and not ps.is_pipeline_first_stage():
+        return False
+    return getattr(param, "tensor_model_parallel", False) or ps.get_tensor_model_parallel_rank() == 0
+
+
+def _all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=op, group=group)
+
+
+def global_grad_norm(grads: Sequence[torch.Tensor], groups: Iterable, device: Optional[torch.device] = None) -> float:
+    """L2 norm of `grads` (the ones counts_for_norm keeps), squared sums added over each group."""
+    device = grads[0].device if grads else (device or torch.device("cpu"))
+    if grads:
+        norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads], 2)
+        total = torch.stack(norms).square().sum()
+    else:
+        total = torch.zeros((), dtype=torch.float32, device=device)
+    for group in groups:
+        _all_reduce(total, group)
+    return float(total.sqrt())
+
+
+def unscale_and_check_overflow(grads: Sequence[torch.Tensor], loss_scale: float, group,
+                               device: Optional[torch.device] = None) -> bool:
+    """Divide fp32 `grads` by the loss scale in place; True when any holds inf/NaN on any rank of
+    `group` (the ranks that must skip the step together)."""
+    device = grads[0].device if grads else (device or torch.device("cpu"))
+    found_inf = torch.zeros((), dtype=torch.float32, device=device)
+    if grads:
+        inverse = torch.full((), 1.0 / loss_scale, dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(list(grads), found_inf, inverse)
+    _all_reduce(found_inf, group, dist.ReduceOp.MAX)
+    return bool(found_inf.item() > 0)
+
+
+def clip_by_norm_(grads: Sequence[torch.Tensor], grad_norm: float, max_norm: float) -> None:
+    """Megatron's clip: scale every gradient by max_norm / (norm + 1e-6) when that is below one."""
+    if max_norm > 0 and grads and math.isfinite(grad_norm):
+        coeff = max_norm / (grad_norm + 1.0e-6)
+        if coeff < 1.0:
+            torch._foreach_mul_(list(grads), coeff)
