@@ -36,13 +36,11 @@ ReduceKind = Literal["all_reduce", "reduce_scatter"]
 
 
 def _reduce_scatter(output: torch.Tensor, source: torch.Tensor, group, async_op: bool):
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(output, source, group=group, async_op=async_op)
+    return dist.reduce_scatter_tensor(output, source, group=group, async_op=async_op)
 
 
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool = False):
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(output, shard, group=group, async_op=async_op)
+    return dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op)
 
 
 def allreduce_sequence_parallel_grads(params: Iterable[torch.nn.Parameter]) -> None:
