@@ -355,7 +355,7 @@ def write_results(result: dict, results_dir: Path = RESULTS) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     path = results_dir / f"train-{stamp}.json"
     if "baseline_tokens_per_s" in result:
-        result["chart"] = str(write_chart(result, results_dir / f"train-{stamp}.png"))
+        result["chart"] = write_chart(result, results_dir / f"train-{stamp}.png").name  # beside the JSON
     partial = path.with_suffix(".json.partial")
     partial.write_text(json.dumps(result, indent=2) + "\n")
     os.replace(partial, path)  # never a half-written results file under the final name

@@ -11,12 +11,8 @@ from megatron_core.data.indexed_dataset import IndexedDatasetBuilder
 
 VOCAB_SIZE = 100
 
-# Megatron-LM's own preprocessing output (the golden fixture): in shared/ beside the checkout (CI's fresh
-# clone too), or a copy inside it.
-_ROOT = Path(__file__).resolve().parents[1]
-MEGATRON_PREPROCESS_FIXTURE = next(
-    (p for p in (_ROOT.parent / "shared", _ROOT / "shared", Path("/work/shared"))
-     if (p / "fixtures" / "megatron-preprocess").is_dir()), _ROOT.parent / "shared") / "fixtures" / "megatron-preprocess"
+# Megatron-LM's own preprocessing output (the golden fixture; its README says how it was made).
+MEGATRON_PREPROCESS_FIXTURE = Path(__file__).resolve().parent / "fixtures" / "megatron-preprocess"
 
 TINY_OVERRIDES = [
     "num_layers=2", "hidden_size=32", "num_attention_heads=2", "seq_length=32", "max_position_embeddings=32",
