@@ -240,3 +240,22 @@ def test_recompute_under_tp_and_sp_replays_the_tracker_dropout_masks():
             r_loss, r_grads = results[granularity]
             assert torch.equal(r_loss, loss), granularity
             assert all(torch.equal(r_grads[name], grad) for name, grad in grads.items()), granularity
+
+
+def test_one_initialization_path_every_parameter_declares_how_it_is_drawn(monkeypatch):
+    """GPTModel draws each weight once: its layers are built without drawing (initialize=False) and
+    every parameter declares its init_method, so nothing is drawn and then overwritten."""
+    from megatron_core.tensor_parallel import layers
+
+    draws = []
+    real = layers.initialize_parameter
+    monkeypatch.setattr(layers, "initialize_parameter", lambda p, *a, **k: (draws.append(p), real(p, *a, **k)))
+    from megatron_core.models import gpt
+
+    monkeypatch.setattr(gpt, "initialize_parameter", layers.initialize_parameter)
+    model = GPTModel(tiny_config(), ParallelConfig(), VOCAB, init_seed=SEED)
+    params = list(model.parameters())
+    assert len(draws) == len(params) and {id(p) for p in draws} == {id(p) for p in params}
+    assert all(callable(getattr(p, "init_method", None)) for p in params)
+    assert torch.equal(model.encoder.layers[0].input_layernorm.weight, torch.ones_like(model.encoder.layers[0].input_layernorm.weight))
+    assert not model.encoder.layers[0].self_attention.query_key_value.bias.any()

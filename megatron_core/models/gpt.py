@@ -48,6 +48,7 @@ from megatron_core.tensor_parallel import (
     VocabParallelEmbedding,
     checkpoint,
     column_parallel_linear,
+    declare_init,
     get_rng_tracker,
     initialize_parameter,
     normal_init,
@@ -110,8 +111,8 @@ class LayerNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, ops: ElementwiseOps, sequence_parallel: bool) -> None:
         super().__init__()
         self.eps, self.ops = eps, ops
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.bias = nn.Parameter(torch.zeros(hidden_size))
+        self.weight = declare_init(nn.Parameter(torch.empty(hidden_size)), ones_init)
+        self.bias = declare_init(nn.Parameter(torch.empty(hidden_size)), zeros_init)
         self.weight.sequence_parallel = self.bias.sequence_parallel = sequence_parallel
 
     def forward(self, x):
@@ -132,10 +133,13 @@ class Embedding(nn.Module):
         h = config.hidden_size
         self.sequence_parallel = sequence_parallel
         self.dropout = config.hidden_dropout
-        self.word_embeddings = VocabParallelEmbedding(padded_vocab_size, h, reduce_scatter_output=sequence_parallel)
-        # Given an (uninitialized) weight, nn.Embedding skips its own init: initialize_parameters does it.
+        std = normal_init(config.init_method_std)
+        self.word_embeddings = VocabParallelEmbedding(padded_vocab_size, h, reduce_scatter_output=sequence_parallel,
+                                                      init_method=std, initialize=False)
+        # Given an (uninitialized) weight, nn.Embedding skips its own init: GPTModel.initialize_parameters does it.
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, h,
                                                 _weight=torch.empty(config.max_position_embeddings, h))
+        declare_init(self.position_embeddings.weight, std)
 
     def forward(self, input_ids, position_ids):
         # [b, s] ids -> [s, b, h]: transpose the (small) ids, not the activations.
@@ -163,9 +167,10 @@ class SelfAttention(nn.Module):
         self.ops = ops
         # Output rows per head are [q (head_dim rows), k, v]: Megatron's checkpoint_version 3.0 order.
         self.query_key_value = ColumnParallelLinear(h, 3 * h, sequence_parallel=sp,
-                                                    init_method=normal_init(config.init_method_std))
+                                                    init_method=normal_init(config.init_method_std),
+                                                    initialize=False)
         self.dense = RowParallelLinear(h, h, input_is_parallel=True, sequence_parallel=sp, skip_bias_add=True,
-                                       init_method=normal_init(output_std))
+                                       init_method=normal_init(output_std), initialize=False)
 
     def core_attention(self, q, k, v):
         """softmax(q k^T / sqrt(d), causal) v on [b, heads, s, d]; dropout inside the TP region."""
@@ -195,9 +200,10 @@ class MLP(nn.Module):
         h, ffn, sp = config.hidden_size, config.ffn_size, parallel.sequence_parallel
         self.ops = ops
         self.dense_h_to_4h = ColumnParallelLinear(h, ffn, sequence_parallel=sp, skip_bias_add=True,
-                                                  init_method=normal_init(config.init_method_std))
+                                                  init_method=normal_init(config.init_method_std), initialize=False)
         self.dense_4h_to_h = RowParallelLinear(ffn, h, input_is_parallel=True, sequence_parallel=sp,
-                                               skip_bias_add=True, init_method=normal_init(output_std))
+                                               skip_bias_add=True, init_method=normal_init(output_std),
+                                               initialize=False)
 
     def forward(self, x):
         x, bias = self.dense_h_to_4h(x)
@@ -305,11 +311,14 @@ class GPTModel(nn.Module):
         if self.post_process and not self.tied:
             self.output_layer = ColumnParallelLinear(config.hidden_size, padded_vocab_size, bias=False,
                                                      sequence_parallel=self.sequence_parallel,
-                                                     init_method=normal_init(config.init_method_std))
+                                                     init_method=normal_init(config.init_method_std),
+                                                     initialize=False)
         if self.post_process and self.tied and not self.pre_process:
             # The last stage's copy of the tied word embeddings; initialized like the first stage's
             # (same global name, same draw), and kept equal by the embedding-group all-reduce.
-            self.word_embeddings_for_head = VocabParallelEmbedding(padded_vocab_size, config.hidden_size)
+            self.word_embeddings_for_head = VocabParallelEmbedding(
+                padded_vocab_size, config.hidden_size, init_method=normal_init(config.init_method_std),
+                initialize=False)
         for param in self.shared_embedding_parameters():
             param.shared_embedding = True
         self.initialize_parameters(torch.initial_seed() if init_seed is None else init_seed)
@@ -355,21 +364,12 @@ class GPTModel(nn.Module):
 
     @torch.no_grad()
     def initialize_parameters(self, seed: int) -> None:
-        """Megatron's init: normal(0, std); the block output projections std / sqrt(2 L); biases
-        zero; norms one. Each full tensor is drawn from its own generator (seed, global name)."""
-        std = self.config.init_method_std
-        output_std = std / math.sqrt(2.0 * self.config.num_layers)
+        """Megatron's init, as each layer declared it (normal(0, std); block output projections
+        std / sqrt(2 L); biases zero; norms one). Each full tensor is drawn from its own generator
+        keyed by (seed, global name), so every TP x PP layout starts from the same weights."""
         for name, param in self.named_parameters():
-            if name.endswith("layernorm.weight"):
-                method = ones_init
-            elif name.endswith(".bias"):
-                method = zeros_init
-            elif name.endswith(("self_attention.dense.weight", "mlp.dense_4h_to_h.weight")):
-                method = normal_init(output_std)
-            else:
-                method = normal_init(std)
             generator = torch.Generator().manual_seed(_parameter_seed(seed, self.global_parameter_name(name)))
-            initialize_parameter(param, method, generator)
+            initialize_parameter(param, generator=generator)
 
     # -- running -----------------------------------------------------------------------------
     def set_input_tensor(self, input_tensor) -> None:

@@ -6,6 +6,7 @@ from megatron_core.tensor_parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     column_parallel_linear,
+    declare_init,
     initialize_parameter,
     is_tensor_model_parallel,
     normal_init,
@@ -31,7 +32,7 @@ from megatron_core.tensor_parallel.random import (
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "column_parallel_linear",
-    "initialize_parameter", "is_tensor_model_parallel", "normal_init", "ones_init", "zeros_init",
+    "declare_init", "initialize_parameter", "is_tensor_model_parallel", "normal_init", "ones_init", "zeros_init",
     "set_tensor_model_parallel_attributes", "vocab_parallel_cross_entropy",
     "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
     "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",

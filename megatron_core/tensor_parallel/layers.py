@@ -5,8 +5,11 @@ and `partition_dim` (0 for column-parallel rows, 1 for row-parallel columns); re
 parameters that see only this rank's sequence chunk under sequence parallelism carry
 `sequence_parallel = True`, so the trainer all-reduces their gradients across TP.
 
-Initialization is layout-independent: the FULL (master) weight is drawn on every rank from the
-same generator and each rank keeps its slice, so TP 2 starts from exactly the weights of TP 1.
+Initialization has one path: each layer declares how its parameters are drawn (`param.init_method`,
+see declare_init) and `initialize_parameter` draws them. It is layout-independent: the FULL
+(master) weight is drawn on every rank from the same generator and each rank keeps its slice, so
+TP 2 starts from exactly the weights of TP 1. A layer built with `initialize=False` (what GPTModel
+does, Megatron's `perform_initialization=False`) draws nothing until its owner initializes it.
 """
 
 from __future__ import annotations
@@ -62,11 +65,21 @@ def is_tensor_model_parallel(param: torch.Tensor) -> bool:
     return getattr(param, "tensor_model_parallel", False)
 
 
+def declare_init(param: torch.Tensor, init_method: InitMethod) -> torch.Tensor:
+    """Record how `param` is drawn: what initialize_parameter uses unless told otherwise."""
+    param.init_method = init_method
+    return param
+
+
 @torch.no_grad()
-def initialize_parameter(param: torch.Tensor, init_method: InitMethod,
+def initialize_parameter(param: torch.Tensor, init_method: Optional[InitMethod] = None,
                          generator: Optional[torch.Generator] = None) -> None:
-    """Fill `param` with this rank's slice of a full master tensor drawn by `init_method`
-    (Megatron's `_initialize_affine_weight_cpu`). Parameters on the meta device are left alone."""
+    """Fill `param` with this rank's slice of a full master tensor drawn by `init_method` (default:
+    the one declared on it; Megatron's `_initialize_affine_weight_cpu`). Parameters on the meta
+    device are left alone."""
+    init_method = init_method or getattr(param, "init_method", None)
+    if init_method is None:
+        raise ValueError(f"parameter of shape {tuple(param.shape)} declares no init_method (see declare_init)")
     if param.is_meta:
         return
     world = parallel_state.get_tensor_model_parallel_world_size() if is_tensor_model_parallel(param) else 1
@@ -98,7 +111,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, *, bias: bool = True, gather_output: bool = False,
                  init_method: InitMethod = normal_init(0.02), sequence_parallel: bool = False,
                  skip_bias_add: bool = False, params_dtype: torch.dtype = torch.float32,
-                 device: Optional[torch.device] = None) -> None:
+                 device: Optional[torch.device] = None, initialize: bool = True) -> None:
         super().__init__()
         world = parallel_state.get_tensor_model_parallel_world_size()
         self.input_size, self.output_size = input_size, output_size
@@ -108,21 +121,21 @@ class ColumnParallelLinear(nn.Module):
         self.skip_bias_add = skip_bias_add
         if sequence_parallel and gather_output:
             raise ValueError("ColumnParallelLinear: gather_output is not supported with sequence_parallel")
-        self.init_method = init_method
         self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, input_size, dtype=params_dtype,
                                                device=device))
-        set_tensor_model_parallel_attributes(self.weight, partition_dim=0)
+        set_tensor_model_parallel_attributes(declare_init(self.weight, init_method), partition_dim=0)
         if bias:
             self.bias = nn.Parameter(torch.empty(self.output_size_per_partition, dtype=params_dtype, device=device))
-            set_tensor_model_parallel_attributes(self.bias, partition_dim=0)
+            set_tensor_model_parallel_attributes(declare_init(self.bias, zeros_init), partition_dim=0)
         else:
             self.register_parameter("bias", None)
-        self.reset_parameters()
+        if initialize:
+            self.reset_parameters()
 
     def reset_parameters(self, generator: Optional[torch.Generator] = None) -> None:
-        initialize_parameter(self.weight, self.init_method, generator)
+        initialize_parameter(self.weight, generator=generator)
         if self.bias is not None:
-            initialize_parameter(self.bias, zeros_init)
+            initialize_parameter(self.bias)
 
     def forward(self, x: torch.Tensor):
         bias = None if self.skip_bias_add else self.bias
@@ -141,7 +154,7 @@ class RowParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, *, bias: bool = True, input_is_parallel: bool = True,
                  init_method: InitMethod = normal_init(0.02), sequence_parallel: bool = False,
                  skip_bias_add: bool = False, params_dtype: torch.dtype = torch.float32,
-                 device: Optional[torch.device] = None) -> None:
+                 device: Optional[torch.device] = None, initialize: bool = True) -> None:
         super().__init__()
         world = parallel_state.get_tensor_model_parallel_world_size()
         self.input_size, self.output_size = input_size, output_size
@@ -151,22 +164,23 @@ class RowParallelLinear(nn.Module):
         self.skip_bias_add = skip_bias_add
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True")
-        self.init_method = init_method
         self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition, dtype=params_dtype,
                                                device=device))
-        set_tensor_model_parallel_attributes(self.weight, partition_dim=1)
+        set_tensor_model_parallel_attributes(declare_init(self.weight, init_method), partition_dim=1)
         if bias:
-            self.bias = nn.Parameter(torch.empty(output_size, dtype=params_dtype, device=device))
+            self.bias = declare_init(nn.Parameter(torch.empty(output_size, dtype=params_dtype, device=device)),
+                                     zeros_init)
             # Under SP each rank adds the bias to its own sequence chunk: grads must be summed over TP.
             self.bias.sequence_parallel = sequence_parallel
         else:
             self.register_parameter("bias", None)
-        self.reset_parameters()
+        if initialize:
+            self.reset_parameters()
 
     def reset_parameters(self, generator: Optional[torch.Generator] = None) -> None:
-        initialize_parameter(self.weight, self.init_method, generator)
+        initialize_parameter(self.weight, generator=generator)
         if self.bias is not None:
-            initialize_parameter(self.bias, zeros_init)
+            initialize_parameter(self.bias)
 
     def forward(self, x: torch.Tensor):
         if not self.input_is_parallel:
@@ -189,7 +203,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, init_method: InitMethod = normal_init(0.02),
                  reduce_scatter_output: bool = False, params_dtype: torch.dtype = torch.float32,
-                 device: Optional[torch.device] = None) -> None:
+                 device: Optional[torch.device] = None, initialize: bool = True) -> None:
         super().__init__()
         world = parallel_state.get_tensor_model_parallel_world_size()
         rank = parallel_state.get_tensor_model_parallel_rank()
@@ -198,14 +212,14 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start_index = rank * self.num_embeddings_per_partition
         self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
         self.reduce_scatter_output = reduce_scatter_output
-        self.init_method = init_method
         self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim, dtype=params_dtype,
                                                device=device))
-        set_tensor_model_parallel_attributes(self.weight, partition_dim=0)
-        self.reset_parameters()
+        set_tensor_model_parallel_attributes(declare_init(self.weight, init_method), partition_dim=0)
+        if initialize:
+            self.reset_parameters()
 
     def reset_parameters(self, generator: Optional[torch.Generator] = None) -> None:
-        initialize_parameter(self.weight, self.init_method, generator)
+        initialize_parameter(self.weight, generator=generator)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if parallel_state.get_tensor_model_parallel_world_size() == 1:
