@@ -42,3 +42,14 @@ def test_golden_fixture_is_inside_the_repository():
     for name in ("corpus.jsonl", "vocab.json", "merges.txt", "megatron_content_document.bin",
                  "megatron_content_document.idx", "README.md"):
         assert (fixture / name).is_file(), name
+
+
+def test_import_layering_contract_is_kept():
+    """The layers of docs/architecture.md, as pyproject.toml's import-linter contracts say them."""
+    import shutil
+    import sys
+
+    exe = shutil.which("lint-imports") or str(Path(sys.executable).with_name("lint-imports"))
+    proc = subprocess.run([exe], cwd=ROOT, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "0 broken" in proc.stdout
