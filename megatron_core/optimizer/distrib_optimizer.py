@@ -38,7 +38,7 @@ from megatron_core.optimizer.clip_grads import (
     unscale_and_check_overflow,
 )
 from megatron_core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
-from megatron_core.optimizer.optimizer import AdamSettings, build_adam, no_weight_decay
+from megatron_core.optimizer.optimizer import AdamSettings, FP32MasterOptimizer, build_adam, no_weight_decay
 
 ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -61,7 +61,7 @@ def _all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
         dist.all_reduce(tensor, op=op, group=group)
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(FP32MasterOptimizer):
     def __init__(self, model, settings: AdamSettings, *, precision: str = "fp32", clip_grad: float = 1.0,
                  grad_scaler=None, device: Optional[torch.device] = None, fused_adam_cls=None) -> None:
         grad_sync = getattr(model, "grad_sync", None)
@@ -101,16 +101,10 @@ class DistributedOptimizer:
                                 for b in grad_sync.buckets}
 
     # -- the loop's interface ------------------------------------------------------------------
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.optimizer.param_groups
-
-    @property
-    def loss_scale(self) -> float:
-        return self.grad_scaler.scale
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.loss_scale
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        for piece in self.pieces:
+            piece.master.copy_(piece.param.detach().reshape(-1)[piece.param_start:piece.param_start + piece.numel])
 
     def zero_grad(self) -> None:
         for param in self.model_params:

@@ -65,7 +65,30 @@ def build_adam(groups: list[dict], settings: AdamSettings, device: torch.device,
     return torch.optim.AdamW(groups, foreach=True, **kwargs), "torch.optim.AdamW(foreach=True)"
 
 
-class MegatronOptimizer:
+class FP32MasterOptimizer:
+    """What both optimizers share: an inner Adam over fp32 master weights and a loss scaler.
+    Subclasses set self.optimizer and self.grad_scaler and copy weights both ways."""
+
+    optimizer: torch.optim.Optimizer
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def loss_scale(self) -> float:
+        return self.grad_scaler.scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.loss_scale
+
+    def reload_model_params(self) -> None:
+        """Rebuild the fp32 master weights from the model's weights (Megatron's name): after the
+        model was loaded from a checkpoint, before or without that checkpoint's optimizer state."""
+        raise NotImplementedError
+
+
+class MegatronOptimizer(FP32MasterOptimizer):
     def __init__(self, model: torch.nn.Module, settings: AdamSettings, *, precision: str = "fp32",
                  clip_grad: float = 1.0, grad_scaler=None, device: Optional[torch.device] = None,
                  fused_adam_cls=None) -> None:
@@ -95,16 +118,10 @@ class MegatronOptimizer:
             self.description += ", bf16 with fp32 master weights"
 
     # -- the loop's interface ------------------------------------------------------------------
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.optimizer.param_groups
-
-    @property
-    def loss_scale(self) -> float:
-        return self.grad_scaler.scale
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.loss_scale
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        if self.master_params is not self.model_params:
+            torch._foreach_copy_(self.master_params, self.model_params)
 
     def zero_grad(self) -> None:
         for p in self.model_params:

@@ -133,6 +133,9 @@ class Trainer:
             raise ckpt.CheckpointError(f"the weights in {where} do not fit this recipe's model "
                                        f"({' '.join(line.strip() for line in first[1:3]) or first[0]}); "
                                        "check num_layers, hidden_size, heads and the (padded) vocabulary") from None
+        # The fp32 masters were copied from the initial weights when the optimizer was built: without
+        # this, a bf16/fp16 run whose checkpoint has no optimizer state would step from random weights.
+        self.optimizer.reload_model_params()
 
     def _start_from_weights(self, state: dict, where: Path) -> None:
         """A weights-only checkpoint (import-hf's `release`, or a foreign one without our training state):
