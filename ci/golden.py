@@ -2,7 +2,7 @@
 
 `ci/golden/<recipe>.json` holds the lm_loss of every logged train iteration and every evaluation of one
 reference run, the recipe hash it was made with and the tolerance it is checked with. A fresh run's
-`metrics.jsonl` (conventions item 4) is compared value by value; a drift, a missing or an extra iteration
+`metrics.jsonl` (docs/metrics-and-flops.md) is compared value by value; a drift, a missing or an extra iteration
 fails with a diff table. `update` rewrites the file from a run (after an intended change).
 
 Tolerance: a value passes when |actual - golden| <= atol + rtol * |golden|. The defaults (rtol 1e-4,

@@ -52,7 +52,7 @@ class CheckpointError(UserError):
 
 
 # ----------------------------------------------------------------------------------------------
-# Model nesting (conventions item 2)
+# Model nesting (docs/checkpoint-format.md, "model: nesting and names")
 # ----------------------------------------------------------------------------------------------
 
 _EMBEDDING_PREFIX = "embedding."

@@ -83,7 +83,7 @@ def find_tokenizer_files(ckpt: MergedCheckpoint, vocab_file=None, merge_file=Non
 
 def save_tokenizer(vocab: Path, merges: Path, out_dir: Path):
     """GPT2TokenizerFast from the files (from_pretrained on a dir: the `vocab_file=` kwargs build an
-    empty tokenizer in transformers 5, compat doc section 4) and save it; returns the tokenizer."""
+    empty tokenizer in transformers 5, docs/hf-conversion.md "Tokenizer files") and save it; returns the tokenizer."""
     from transformers import GPT2TokenizerFast
 
     with tempfile.TemporaryDirectory() as src:

@@ -1,6 +1,6 @@
 """Read a Megatron-layout checkpoint of any (TP, PP) layout and version into one full state.
 
-The merged state uses our canonical names (conventions item 2, flat, global layer numbers) and
+The merged state uses our canonical names (docs/checkpoint-format.md: flat, global layer numbers) and
 the checkpoint_version 2.0/3.0 QKV row order (per head [q, k, v]):
 
     embedding.word_embeddings.weight, embedding.position_embeddings.weight,
@@ -208,7 +208,7 @@ def canonical_names(model: dict) -> dict:
 
 
 def to_canonical_qkv(tensor: torch.Tensor, version: float, heads_local: int) -> torch.Tensor:
-    """Reorder one TP shard's QKV rows to the v2/v3 order [np, 3, hn] (compat doc section 3)."""
+    """Reorder one TP shard's QKV rows to the v2/v3 order [np, 3, hn] (docs/checkpoint-format.md, QKV row order)."""
     if version >= 2.0:
         return tensor
     rest = tensor.shape[1:]

@@ -109,7 +109,7 @@ def split_sequence_ranges(split: str, num_sequences: int) -> List[Optional[Tuple
 
 
 # --------------------------------------------------------------------------------------------
-# The three indices (pure numpy; compat doc section 2)
+# The three indices (pure numpy; docs/dataset-indices.md)
 
 
 @dataclasses.dataclass(frozen=True)

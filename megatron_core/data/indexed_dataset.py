@@ -1,6 +1,6 @@
 """Megatron's indexed dataset: token sequences in a `.bin`, their layout in an `.idx`.
 
-Two on-disk index formats (byte layouts in shared/docs/megatron-compat.md section 1):
+Two on-disk index formats (byte layouts in docs/data-format.md):
 
 - `mmap` (magic `MMIDIDX`): what Megatron-LM and megatron-core write today; both files are
   memory-mapped by the reader.

@@ -1,6 +1,6 @@
 """Model FLOPs per iteration, the device peak table and MFU.
 
-FLOPs (compat doc section 5, generalized to any ffn size F; equal to Megatron's
+FLOPs (docs/metrics-and-flops.md, generalized to any ffn size F; equal to Megatron's
 72*B*s*L*h^2*(1 + s/(6h) + V/(12*L*h)) when F = 4h): forward FLOPs per token are
 2*(4h^2 + 2hF) + 4sh per layer plus 2Vh for the logits; backward is twice the forward, and full
 activation recompute adds one more forward.

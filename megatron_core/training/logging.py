@@ -25,7 +25,7 @@ def log(message: str) -> None:
 def megatron_train_line(*, iteration: int, train_iters: int, consumed_samples: int, elapsed_ms: float,
                         tflops: float, lr: float, global_batch_size: int, lm_loss: float, loss_scale: float,
                         grad_norm: Optional[float], skipped: int, nan: int, extra: str = "") -> str:
-    """Megatron's training_log line (compat doc section 5), one line."""
+    """Megatron's training_log line (docs/metrics-and-flops.md), one line."""
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     norm = f" grad norm: {grad_norm:.3f} |" if grad_norm is not None else ""
     return (f" [{stamp}] iteration {iteration:8d}/{train_iters:8d} | consumed samples: {consumed_samples:12d} |"
