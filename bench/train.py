@@ -137,7 +137,9 @@ def build_ours(setup: Setup):
         loss, ok, _ = trainer.train_step(batches)
         return loss if ok else float("nan")
 
-    description = f"{fusions.describe()}; {optimizer.description}; model: {inner.describe_backends()}"
+    description = {"backends": f"{fusions.describe()}; {optimizer.description}; model: {inner.describe_backends()}",
+                   "precision_regime": train_lib.precision_regime(recipe),
+                   "grad_buffer_mb": model.grad_sync.grad_buffer_bytes / 2**20}
     return step, inner, description
 
 
@@ -326,7 +328,9 @@ def _run(setup, recipe, overrides, iters, warmup, repeats, baseline, write, echo
         "micro_batch_size": t.micro_batch_size,
         "global_batch_size": t.global_batch_size,
         "iters": iters, "warmup": warmup, "repeats": repeats,
-        "ours_backends": description,
+        "ours_backends": description["backends"],
+        "ours_precision_regime": description["precision_regime"],
+        "ours_grad_buffer_mb": description["grad_buffer_mb"],  # the fp32 (or param-dtype) main_grad buffers
         "ours": best["ours"],
         "ours_tokens_per_s": best["ours"]["tokens_per_s"],
         "ours_all_tokens_per_s": [r["tokens_per_s"] for r in runs["ours"]],

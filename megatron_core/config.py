@@ -130,6 +130,9 @@ class TrainingConfig:
     clip_grad: float = 1.0
     fp16: bool = False
     bf16: bool = False
+    # Megatron's flag: gradients accumulate over micro batches and are all-reduced in fp32 main_grad
+    # buffers. Forced on for bf16 (as Megatron does); fp16 without it accumulates in fp16.
+    accumulate_allreduce_grads_in_fp32: bool = False
     initial_loss_scale: float = 2.0**32
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000

@@ -85,6 +85,23 @@ def device_name(device: torch.device) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
+def grad_dtype_of(recipe: Recipe) -> torch.dtype:
+    """The dtype gradients accumulate and are reduced in (Megatron's accumulate_allreduce_grads_in_fp32,
+    forced on for bf16)."""
+    _, dtype = precision_of(recipe)
+    t = recipe.training
+    return torch.float32 if (t.bf16 or t.accumulate_allreduce_grads_in_fp32) else dtype
+
+
+def precision_regime(recipe: Recipe) -> str:
+    """One line for the start-up log: what is stored, stepped, accumulated and scaled in what."""
+    precision, dtype = precision_of(recipe)
+    master = "the weights themselves (fp32)" if precision == "fp32" else "fp32 copies"
+    scaling = "dynamic loss scaling" if precision == "fp16" else "no loss scaling"
+    return (f"precision: weights {str(dtype).replace('torch.', '')}, master weights {master}, gradients "
+            f"accumulated and reduced in {str(grad_dtype_of(recipe)).replace('torch.', '')} main_grad buffers, {scaling}")
+
+
 def precision_of(recipe: Recipe) -> tuple[str, torch.dtype]:
     if recipe.training.fp16:
         return "fp16", torch.float16
@@ -161,15 +178,16 @@ def build_model_and_optimizer(recipe: Recipe, padded_vocab_size: int, device: to
     scaler = (DynamicGradScaler(t.initial_loss_scale, t.min_loss_scale, 2.0, 0.5, t.loss_scale_window, t.hysteresis)
               if precision == "fp16" else ConstantGradScaler())
     settings = AdamSettings(t.lr, t.weight_decay, t.adam_beta1, t.adam_beta2, t.adam_eps)
+    # Wrapped at every DP size, as Megatron does: the wrapper owns the main_grad buffers.
+    grad_dtype = grad_dtype_of(recipe)
     if p.use_distributed_optimizer:
         from megatron_core.optimizer.distrib_optimizer import DistributedOptimizer
 
-        model = DistributedDataParallel(model, p, reduce_kind="reduce_scatter")
+        model = DistributedDataParallel(model, p, reduce_kind="reduce_scatter", grad_dtype=grad_dtype)
         optimizer = DistributedOptimizer(model, settings, precision=precision, clip_grad=t.clip_grad,
                                          grad_scaler=scaler, device=device, fused_adam_cls=fused_adam)
     else:
-        if ps.get_data_parallel_world_size() > 1:
-            model = DistributedDataParallel(model, p)
+        model = DistributedDataParallel(model, p, grad_dtype=grad_dtype)
         optimizer = MegatronOptimizer(inner_model, settings, precision=precision, clip_grad=t.clip_grad,
                                       grad_scaler=scaler, device=device, fused_adam_cls=fused_adam)
     return fusions, model, inner_model, optimizer
@@ -221,6 +239,7 @@ def train(recipe: Recipe, run_dir, data_prefix, tokenizer_files=None, load=None,
                 f"{recipe.num_micro_batches} micro batches per iteration, global batch {t.global_batch_size}")
     logger.info(f"device: {name}; precision: {precision}; parameters on this rank: {n_params:,}; "
                 f"padded vocab {padded_vocab}")
+    logger.info(precision_regime(recipe))
     logger.info(f"optimizer: {optimizer.description} (apex FusedAdam importable: "
                 f"{bool(apex.get('apex.optimizers.FusedAdam') and apex.get('amp_C'))})")
     logger.info(f"{fusions.describe()}")

@@ -33,7 +33,9 @@ def test_same_work_and_promised_keys(smoke_bench):
     assert len(result["ours_all_tokens_per_s"]) == len(result["baseline_all_tokens_per_s"]) == 2
     assert result["ours"]["peak_memory_mb"] > 0 and "mfu" not in result["ours"]  # no MFU invented on a CPU
     written = json.loads(Path(result["results_file"]).read_text())
-    assert written["recipe_hash"] == result["recipe_hash"] and Path(result["chart"]).stat().st_size > 0
+    chart = Path(result["results_file"]).parent / result["chart"]  # named relative to the JSON beside it
+    assert written["recipe_hash"] == result["recipe_hash"] and chart.stat().st_size > 0
+    assert result["ours_grad_buffer_mb"] > 0 and "main_grad" in result["ours_precision_regime"]
     assert Path(result["results_file"]).parent == results
 
 

@@ -43,12 +43,17 @@ def grad_sync_checks(reduce_kind: str) -> dict:
     launched_under_no_sync = any(b.launched for b in buckets)
     model(local_batch(rank, 1)).backward()
     launched_in_backward = [b.launched for b in buckets]
-    local = {n: p.grad.clone() for n, p in model.module.named_parameters()}
+    # This rank's own gradient sum, from an unwrapped twin (the wrapper's buffers are reduced in place).
+    twin = Toy()
+    for micro in (0, 1):
+        twin(local_batch(rank, micro)).backward()
+    local = {n: p.grad.clone() for n, p in twin.named_parameters()}
+    assert all(p.grad is None for p in model.module.parameters()), "main_grad hooks free each micro batch's grad"
     model.finish_grad_sync()
     out = {"buckets": len(buckets), "launched_under_no_sync": launched_under_no_sync,
            "launched_in_backward": launched_in_backward, "local": local}
     if reduce_kind == "all_reduce":
-        out["synced"] = {n: p.grad.clone() for n, p in model.module.named_parameters()}
+        out["synced"] = {n: p.main_grad.clone() for n, p in model.module.named_parameters()}
     else:
         out["shards"] = [(b.grad_shard.clone(), [(b.offsets[i], p.numel()) for i, p in enumerate(b.params)],
                           b.padded_numel) for b in buckets]

@@ -77,6 +77,7 @@ def test_gradient_accumulation_matches_one_batch(corpus, tmp_path):
 
 def test_fp16_loop_skips_injected_inf_and_recovers(corpus, tmp_path, monkeypatch):
     import megatron_core.pipeline_parallel as pipeline
+    from megatron_core.distributed.grad_sync import gradient
 
     real = pipeline.get_forward_backward_func()
     calls = {"train": 0}
@@ -86,7 +87,7 @@ def test_fp16_loop_skips_injected_inf_and_recovers(corpus, tmp_path, monkeypatch
         if not forward_only:
             calls["train"] += 1
             if calls["train"] == 6:
-                next(p for p in args[2].parameters() if p.grad is not None).grad.view(-1)[0] = float("inf")
+                next(gradient(p) for p in args[2].parameters() if gradient(p) is not None).view(-1)[0] = float("inf")
         return out
 
     monkeypatch.setattr(pipeline, "get_forward_backward_func", lambda: poisoned)

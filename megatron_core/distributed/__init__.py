@@ -7,9 +7,10 @@
         Without WORLD_SIZE (a plain `python -m`) it returns a single-process DistributedInfo and
         initializes nothing.
 
-    DistributedDataParallel(module, parallel, *, bucket_size=None, reduce_kind="all_reduce")
-        Wraps a GPTModel; see grad_sync.py for the bucketed, overlapped reduction.
-        no_sync(), finish_grad_sync(), set_input_tensor(t), shared_embedding_parameters();
+    DistributedDataParallel(module, parallel, *, bucket_size=None, reduce_kind="all_reduce", grad_dtype=None)
+        Wraps a GPTModel (at any DP size, as Megatron does: the wrapper owns the main_grad
+        buffers gradients accumulate in); see grad_sync.py for the bucketed, overlapped reduction.
+        zero_grad_buffer(), no_sync(), finish_grad_sync(), set_input_tensor(t), shared_embedding_parameters();
         state_dict()/load_state_dict() are the module's own (checkpoint keys do not change).
 
     finalize_model_grads(model)
@@ -100,13 +101,13 @@ class DistributedDataParallel(torch.nn.Module):
     """A model replica whose gradients are averaged over its data-parallel group in buckets."""
 
     def __init__(self, module: torch.nn.Module, parallel, *, bucket_size: Optional[int] = None,
-                 reduce_kind: ReduceKind = "all_reduce"):
+                 reduce_kind: ReduceKind = "all_reduce", grad_dtype: Optional[torch.dtype] = None):
         super().__init__()
         self.module = module
         self.grad_sync = GradSync(list(module.parameters()),
                                   bucket_size=bucket_size or parallel.ddp_bucket_size,
                                   reduce_kind=reduce_kind, sequence_parallel=parallel.sequence_parallel,
-                                  shared_embedding_params=_shared_embedding_parameters(module))
+                                  shared_embedding_params=_shared_embedding_parameters(module), grad_dtype=grad_dtype)
         if ps.get_data_parallel_world_size() > 1:
             self._broadcast_params()
 
@@ -120,6 +121,9 @@ class DistributedDataParallel(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    def zero_grad_buffer(self) -> None:
+        self.grad_sync.zero_grad_buffer()
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         return self.grad_sync.no_sync()

@@ -1,17 +1,20 @@
 """Data-parallel gradient averaging in buckets, overlapped with the backward pass.
 
 Parameters are grouped, in reverse registration order (roughly the order the backward produces
-their gradients), into buckets of about `bucket_size` elements. A post-accumulate-grad hook on
-each parameter marks it ready; when every parameter of a bucket is ready during the backward of
-the LAST micro batch, the bucket's gradients are copied into one flat fp32 buffer, divided by
-the data-parallel size and reduced asynchronously while the backward goes on. The micro batches
-before it run under `no_sync()`, so their gradients only accumulate locally.
+their gradients), into buckets of about `bucket_size` elements. Each bucket owns one flat buffer,
+and each parameter's `main_grad` is a view of its place in it (Megatron's main_grad): the buffer
+is where gradients ACCUMULATE over micro batches, in fp32 when `grad_dtype` is fp32 (Megatron's
+`accumulate_allreduce_grads_in_fp32`, forced on for bf16), so many bf16 micro batches lose
+nothing. A post-accumulate-grad hook adds each micro batch's `param.grad` into `main_grad` and
+frees it, so no second full copy of the gradients lives on. When every parameter of a bucket is
+ready during the backward of the LAST micro batch, the buffer is divided by the data-parallel
+size and reduced asynchronously while the backward goes on; the micro batches before it run
+under `no_sync()` and only accumulate. `zero_grad_buffer()` starts the next iteration.
 
 Two kinds of reduction, one bucket layout:
-- "all_reduce" (plain DP): after `finish_grad_sync()` every `param.grad` holds the DP average.
+- "all_reduce" (plain DP): after `finish_grad_sync()` every `param.main_grad` holds the DP average.
 - "reduce_scatter" (the distributed optimizer, ZeRO-1): each bucket is padded to a multiple of
-  the DP size and DP rank r keeps the r-th equal slice of the summed bucket
-  (`bucket.grad_shard`); `param.grad` is left as the local gradient.
+  the DP size and DP rank r keeps the r-th equal slice of the summed bucket (`bucket.grad_shard`).
 
 Some gradients need a model-parallel reduction before the DP one: parameters marked
 `sequence_parallel` (LayerNorms and row-parallel biases see only their sequence chunk: sum
@@ -43,11 +46,17 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group, async_op: 
     return dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op)
 
 
+def gradient(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    """Where a parameter's gradient of this iteration is: its main_grad under a GradSync, else .grad."""
+    main_grad = getattr(param, "main_grad", None)
+    return main_grad if main_grad is not None else param.grad
+
+
 def allreduce_sequence_parallel_grads(params: Iterable[torch.nn.Parameter]) -> None:
     """Sum over TP the grads of parameters marked `sequence_parallel` (each TP rank saw 1/tp of the sequence)."""
     if ps.get_tensor_model_parallel_world_size() == 1:
         return
-    grads = [p.grad for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    grads = [gradient(p) for p in params if getattr(p, "sequence_parallel", False) and gradient(p) is not None]
     _allreduce_coalesced(grads, ps.get_tensor_model_parallel_group())
 
 
@@ -57,9 +66,9 @@ def allreduce_embedding_grads(shared_params: Iterable[torch.nn.Parameter]) -> No
         return
     grads = []
     for param in shared_params:
-        if param.grad is None:
+        if gradient(param) is None:
             param.grad = torch.zeros_like(param)
-        grads.append(param.grad)
+        grads.append(gradient(param))
     _allreduce_coalesced(grads, ps.get_embedding_group())
 
 
@@ -76,7 +85,7 @@ def _allreduce_coalesced(grads: list[torch.Tensor], group) -> None:
 
 @dataclass
 class Bucket:
-    """A group of parameters reduced together through one flat fp32 buffer."""
+    """A group of parameters whose gradients accumulate and are reduced in one flat buffer."""
 
     params: list[torch.nn.Parameter]
     offsets: list[int]  # start of each param in the flat buffer
@@ -95,7 +104,7 @@ class Bucket:
 
 
 def build_buckets(params: list[torch.nn.Parameter], late_ids: set[int], bucket_size: int, pad_to: int,
-                  device: torch.device) -> list[Bucket]:
+                  device: torch.device, grad_dtype: torch.dtype = torch.float32) -> list[Bucket]:
     """Ordinary parameters in reverse order cut into buckets of ~bucket_size elements, then the late ones."""
     buckets: list[Bucket] = []
 
@@ -108,7 +117,7 @@ def build_buckets(params: list[torch.nn.Parameter], late_ids: set[int], bucket_s
             total += param.numel()
         padded = -(-total // pad_to) * pad_to
         buckets.append(Bucket(params=list(group), offsets=offsets, numel=total, padded_numel=padded, late=late,
-                              buffer=torch.zeros(padded, dtype=torch.float32, device=device)))
+                              buffer=torch.zeros(padded, dtype=grad_dtype, device=device)))
 
     for late in (False, True):
         group, size = [], 0
@@ -128,7 +137,8 @@ class GradSync:
     """Hooks, buckets and the reductions of one model replica's parameters over its DP group."""
 
     def __init__(self, params: list[torch.nn.Parameter], *, bucket_size: int, reduce_kind: ReduceKind,
-                 sequence_parallel: bool, shared_embedding_params: list[torch.nn.Parameter]):
+                 sequence_parallel: bool, shared_embedding_params: list[torch.nn.Parameter],
+                 grad_dtype: Optional[torch.dtype] = None):
         self.params = [p for p in params if p.requires_grad]
         self.reduce_kind = reduce_kind
         self.group = ps.get_data_parallel_group()
@@ -140,10 +150,16 @@ class GradSync:
             late |= {id(p) for p in self.params if getattr(p, "sequence_parallel", False)}
         device = self.params[0].device if self.params else torch.device("cpu")
         pad_to = self.dp_size if reduce_kind == "reduce_scatter" else 1
-        self.buckets = build_buckets(self.params, late, max(int(bucket_size), 1), pad_to, device)
+        # fp32 unless told otherwise (fp16 without accumulate_allreduce_grads_in_fp32: the params' dtype)
+        self.grad_dtype = grad_dtype or torch.float32
+        self.buckets = build_buckets(self.params, late, max(int(bucket_size), 1), pad_to, device, self.grad_dtype)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        for bucket in self.buckets:
+            for param, offset in zip(bucket.params, bucket.offsets):
+                param.main_grad = bucket.buffer[offset:offset + param.numel()].view_as(param)
         self.sync_enabled = True
         self.pending = False  # a backward produced gradients that are not reduced yet
+        self.reduced = False  # the buffers hold a finished iteration's gradients (zeroed by the next backward)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
 
     # -- the backward side ---------------------------------------------------------------------
@@ -156,24 +172,40 @@ class GradSync:
         finally:
             self.sync_enabled = previous
 
+    @property
+    def grad_buffer_bytes(self) -> int:
+        return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
+
+    def zero_grad_buffer(self) -> None:
+        """Start an iteration: every main_grad back to zero (one fill per bucket). The first backward
+        after a finished iteration does it too, so a caller that forgets cannot sum two iterations."""
+        self._zero_buffers()
+        for param in self.params:
+            param.grad = None
+
+    def _zero_buffers(self) -> None:
+        for bucket in self.buckets:
+            bucket.buffer.zero_()
+        self.reduced = False
+
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
+        if self.reduced:
+            self._zero_buffers()
         self.pending = True
-        if not self.sync_enabled:
-            return
         bucket = self._bucket_of[id(param)]
         if bucket.launched:
             raise RuntimeError("a parameter's gradient was accumulated again after its bucket was reduced "
                                "(is a parameter used in two recompute segments?); this would lose gradient")
+        param.main_grad.add_(param.grad)  # accumulate in the buffer's dtype, then free the micro batch's grad
+        param.grad = None
+        if not self.sync_enabled:
+            return
         bucket.ready.add(id(param))
         if not bucket.late and len(bucket.ready) == len(bucket.params):
             self._launch(bucket)
 
     def _launch(self, bucket: Bucket) -> None:
-        flat = bucket.buffer
-        flat.zero_()
-        for param, offset in zip(bucket.params, bucket.offsets):
-            if param.grad is not None:
-                flat[offset:offset + param.numel()].copy_(param.grad.reshape(-1))
+        flat = bucket.buffer  # already the sum over this iteration's micro batches
         bucket.launched = True
         if self.dp_size > 1:
             flat.div_(self.dp_size)
@@ -204,15 +236,10 @@ class GradSync:
             if bucket.handle is not None:
                 bucket.handle.wait()
                 bucket.handle = None
-            if self.reduce_kind == "all_reduce" and self.dp_size > 1:
-                for param, offset in zip(bucket.params, bucket.offsets):
-                    reduced = bucket.buffer[offset:offset + param.numel()].view_as(param)
-                    if param.grad is None:
-                        param.grad = torch.zeros_like(param)
-                    param.grad.copy_(reduced)
             bucket.ready.clear()
             bucket.launched = False
         self.pending = False
+        self.reduced = True
 
     def remove_hooks(self) -> None:
         for hook in self._hooks:

@@ -152,13 +152,17 @@ class MegatronOptimizer(FP32MasterOptimizer):
         return True, grad_norm, num_zeros
 
     def _master_grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(model param, its master's fp32 grad) for every param that got a gradient."""
+        """(model param, its master's fp32 grad) for every param that got a gradient. Under a
+        GradSync the gradient is the param's main_grad (already fp32 when accumulated in fp32:
+        no copy); otherwise .grad."""
         pairs = []
         for p, m in zip(self.model_params, self.master_params):
-            if p.grad is None:
+            grad = getattr(p, "main_grad", None)
+            if grad is None:
+                grad = p.grad
+            if grad is None:
                 continue
-            if m is not p:
-                m.grad = p.grad.detach().float()
+            m.grad = grad if grad.dtype == torch.float32 else grad.float()
             pairs.append((p, m.grad))
         return pairs
 

@@ -206,6 +206,9 @@ class Trainer:
     # -- one iteration -------------------------------------------------------------------------
     def train_step(self, data_iterator) -> tuple[float, bool, Optional[float]]:
         t = self.recipe.training
+        zero_grad_buffer = getattr(self.model, "zero_grad_buffer", None)
+        if zero_grad_buffer is not None:  # gradients accumulate in the wrapper's main_grad buffers
+            zero_grad_buffer()
         self.optimizer.zero_grad()
         losses = self.forward_backward(gpt_forward_step, data_iterator, self.model, self.num_micro_batches,
                                        seq_length=self.recipe.model.seq_length, micro_batch_size=t.micro_batch_size,
