@@ -3,6 +3,7 @@ forced on for bf16): 16 bf16 micro batches lose nothing that a bf16 .grad would.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megatron_core.config import ModelConfig, ParallelConfig
@@ -79,3 +80,54 @@ def test_next_backward_starts_from_zero_even_without_zero_grad_buffer():
     wrapped.finish_grad_sync()
     for n, p in wrapped.module.named_parameters():
         assert torch.equal(p.main_grad, first[n]), n
+
+
+def _adam_state_is_where_it_lives(optimizer) -> None:
+    for group in optimizer.param_groups:
+        on_device = group.get("fused", False) or group.get("capturable", False)
+        for param in group["params"]:
+            state = optimizer.state[param]
+            assert state, "every parameter has Adam state after a step and a load"
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert state[key].device == param.device and state[key].dtype == param.dtype, key
+            step = state["step"]
+            assert step.dtype == torch.float32
+            assert step.device == (param.device if on_device else torch.device("cpu"))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("distributed", [False, True])
+def test_loaded_optimizer_state_sits_on_its_parameters_device_and_dtype(monkeypatch, fused, distributed):
+    """After a load, Adam's moments and step are where the inner optimizer expects them (for fused
+    AdamW: on the parameter's device). On this CPU-only machine every device is the CPU: the test
+    pins the rule (and the dtypes); the CUDA placement it implies was read, not run."""
+    from megatron_core.optimizer import distrib_optimizer, optimizer as optimizer_module
+    from megatron_core.optimizer import AdamSettings, DistributedOptimizer, MegatronOptimizer
+
+    def build_adam(groups, settings, device, fused_adam_cls=None):
+        kwargs = dict(lr=settings.lr, weight_decay=settings.weight_decay)
+        return torch.optim.AdamW(groups, fused=fused, foreach=not fused, **kwargs), "test"
+
+    monkeypatch.setattr(optimizer_module, "build_adam", build_adam)
+    monkeypatch.setattr(distrib_optimizer, "build_adam", build_adam)
+
+    def build():
+        kind = "reduce_scatter" if distributed else "all_reduce"
+        wrapped = DistributedDataParallel(_model(), ParallelConfig(), grad_dtype=torch.float32, reduce_kind=kind)
+        cls = DistributedOptimizer if distributed else MegatronOptimizer
+        return wrapped, cls(wrapped if distributed else wrapped.module, AdamSettings(1e-3, 0.01), precision="bf16")
+
+    wrapped, opt = build()
+    batch = next(_micro_batches())
+    _loss(wrapped, batch).backward()
+    wrapped.finish_grad_sync()
+    assert opt.step()[0]
+    saved = (opt.state_dict(), opt.sharded_state_dict() if distributed else None)
+    wrapped2, opt2 = build()
+    opt2.load_state_dict(saved[0])
+    if distributed:
+        opt2.load_sharded_state_dict(saved[1])
+    _adam_state_is_where_it_lives(opt2.optimizer)
+    _loss(wrapped2, batch).backward()
+    wrapped2.finish_grad_sync()
+    assert opt2.step()[0]  # the loaded state is usable as placed

@@ -38,7 +38,13 @@ from megatron_core.optimizer.clip_grads import (
     unscale_and_check_overflow,
 )
 from megatron_core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
-from megatron_core.optimizer.optimizer import AdamSettings, FP32MasterOptimizer, build_adam, no_weight_decay
+from megatron_core.optimizer.optimizer import (
+    AdamSettings,
+    FP32MasterOptimizer,
+    build_adam,
+    no_weight_decay,
+    step_tensor,
+)
 
 ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -220,5 +226,5 @@ class DistributedOptimizer(FP32MasterOptimizer):
             inner = self.optimizer.state[piece.master]
             for key in ADAM_STATE_KEYS:
                 inner[key] = entry[key][sl].to(piece.master.device, torch.float32).clone()
-            inner["step"] = torch.tensor(float(step))
+            inner["step"] = step_tensor(self.optimizer, piece.master, step)
         self._all_gather_params()

@@ -65,6 +65,15 @@ def build_adam(groups: list[dict], settings: AdamSettings, device: torch.device,
     return torch.optim.AdamW(groups, foreach=True, **kwargs), "torch.optim.AdamW(foreach=True)"
 
 
+def step_tensor(optimizer: torch.optim.Optimizer, param: torch.Tensor, step: float) -> torch.Tensor:
+    """Adam's per-parameter `step` where the inner optimizer expects it (torch's policy for loaded
+    state): on the parameter's device for fused or capturable kernels, a CPU float32 otherwise;
+    never where the checkpoint file happened to be written."""
+    group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
+    on_device = group.get("fused", False) or group.get("capturable", False)
+    return torch.tensor(float(step), dtype=torch.float32, device=param.device if on_device else "cpu")
+
+
 class FP32MasterOptimizer:
     """What both optimizers share: an inner Adam over fp32 master weights and a loss scaler.
     Subclasses set self.optimizer and self.grad_scaler and copy weights both ways."""
