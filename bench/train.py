@@ -34,6 +34,7 @@ from typing import Callable, Optional
 
 import torch
 
+from bench import roofline
 from megatron_core import config, workflow
 from megatron_core.errors import UserError
 
@@ -96,7 +97,7 @@ class Setup:
         self.eod = tokenizer.eod
         self.padded_vocab = recipe.padded_vocab_size(tokenizer.vocab_size)
         self.device = train_lib.choose_device(recipe.training.device)
-        self.precision, _ = train_lib.precision_of(recipe)
+        self.precision, self.param_dtype = train_lib.precision_of(recipe)
         self.scratch = tempfile.TemporaryDirectory(prefix="bench-train-")  # removed when the benchmark ends
         cache = Path(self.scratch.name) / "index-cache"
         self.train_ds = train_lib.build_datasets(recipe, workflow.data_prefixes(recipe, workdir), cache)[0]
@@ -255,7 +256,25 @@ def run(recipe_spec: str = "codeparrot-tiny", overrides=(), workdir: str = "./wo
         setup.scratch.cleanup()
 
 
-def _run(setup, recipe, overrides, iters, warmup, repeats, baseline, write, echo, results_dir) -> dict:
+def profile_ours(setup: "Setup", steps: int = 3, top: int = 15) -> list[dict]:
+    """Where our step's time goes: torch.profiler's per-op table (self time), the top ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step, _, _ = build_ours(setup)
+    step()  # warm-up outside the profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if setup.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+    device_key = "self_device_time_total" if setup.device.type == "cuda" else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, device_key), reverse=True)[:top]
+    total = sum(getattr(e, device_key) for e in prof.key_averages()) or 1.0
+    return [{"op": e.key, "calls": e.count // steps, "ms_per_step": getattr(e, device_key) / 1e3 / steps,
+             "share": getattr(e, device_key) / total} for e in events]
+
+
+def _run(setup, recipe, overrides, iters, warmup, repeats, baseline, write, echo, results_dir,
+         profile_steps: int = 3) -> dict:
     echo(f"bench.train: {recipe.describe()} on {setup.device_name}, {setup.precision}, "
          f"{setup.tokens_per_iteration} tokens per iteration, {iters} timed after {warmup} warm-up, "
          f"{repeats} alternating runs", )
@@ -311,6 +330,17 @@ def _run(setup, recipe, overrides, iters, warmup, repeats, baseline, write, echo
 
     best = {side: max(values, key=lambda r: r["tokens_per_s"]) for side, values in runs.items() if values}
     m, t = recipe.model, recipe.training
+    gemms = roofline.measure(
+        roofline.model_gemms(micro_batch_size=t.micro_batch_size, seq_length=m.seq_length, num_layers=m.num_layers,
+                             hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_size,
+                             num_attention_heads=m.num_attention_heads, padded_vocab_size=setup.padded_vocab),
+        recipe.num_micro_batches, setup.param_dtype, setup.device)
+    for side_result in best.values():  # the step's time if only its matrix multiplies cost anything
+        side_result["fraction_of_gemm"] = gemms["gemm_ms_per_iteration"] / side_result["ms_per_iteration"]
+    echo(f"roofline: this machine's {gemms['dtype']} matmuls at the model's GEMM shapes run "
+         f"{gemms['gemm_tflops']:.3f} TFLOP/s ({gemms['gemm_ms_per_iteration']:.1f} ms per iteration); fraction of "
+         + ", ".join(f"{side} {r['fraction_of_gemm']:.2f}" for side, r in best.items()))
+    profile = profile_ours(setup) if profile_steps else None
     result = {
         "benchmark": "train",
         "recipe": recipe.name,
@@ -328,6 +358,12 @@ def _run(setup, recipe, overrides, iters, warmup, repeats, baseline, write, echo
         "micro_batch_size": t.micro_batch_size,
         "global_batch_size": t.global_batch_size,
         "iters": iters, "warmup": warmup, "repeats": repeats,
+        "roofline": gemms,
+        "fraction_of_gemm": best["ours"]["fraction_of_gemm"],
+        "ours_profile": profile,
+        "regime": {"ours": description["precision_regime"],
+                   "baseline": ("fp32 weights and AdamW" if setup.precision == "fp32" else
+                                f"fp32 weights and AdamW, forward under torch.autocast({setup.param_dtype})")},
         "ours_backends": description["backends"],
         "ours_precision_regime": description["precision_regime"],
         "ours_grad_buffer_mb": description["grad_buffer_mb"],  # the fp32 (or param-dtype) main_grad buffers

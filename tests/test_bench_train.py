@@ -36,6 +36,13 @@ def test_same_work_and_promised_keys(smoke_bench):
     chart = Path(result["results_file"]).parent / result["chart"]  # named relative to the JSON beside it
     assert written["recipe_hash"] == result["recipe_hash"] and chart.stat().st_size > 0
     assert result["ours_grad_buffer_mb"] > 0 and "main_grad" in result["ours_precision_regime"]
+    roof = result["roofline"]
+    for side in ("ours", "baseline"):  # measured step time vs the time of its GEMMs alone
+        assert result[side]["fraction_of_gemm"] == pytest.approx(roof["gemm_ms_per_iteration"]
+                                                                 / result[side]["ms_per_iteration"])
+    assert result["fraction_of_gemm"] == result["ours"]["fraction_of_gemm"]
+    assert result["ours_profile"] and all(row["ms_per_step"] >= 0 for row in result["ours_profile"])
+    assert set(result["regime"]) == {"ours", "baseline"}
     assert Path(result["results_file"]).parent == results
 
 

@@ -1,0 +1,88 @@
+"""The matmul roofline of a training step: this machine's GEMM throughput at the model's own shapes.
+
+A GPT step's FLOPs (Megatron's formula, training/flops.py) are its matrix multiplies: per layer QKV
+[T,h]x[h,3h], the attention output [T,h]x[h,h], MLP in [T,h]x[h,F] and out [T,F]x[F,h], the attention
+scores and context (batched over b*heads, [s,d]x[d,s] and [s,s]x[s,d]), and the logits [T,h]x[h,V],
+with T = micro batch x seq tokens; backward runs each twice more (input and weight gradients).
+Timing exactly those GEMMs, in the model's dtype on its device, gives the time a step would take
+if everything else cost nothing; `fraction_of_gemm` = that time / the measured step time =
+achieved model FLOP/s / measured matmul FLOP/s. On a GPU the same number says how close to the
+hardware the step runs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Gemm:
+    name: str
+    batch: int  # independent products (b*heads for attention, 1 otherwise)
+    m: int
+    k: int
+    n: int
+    count: int  # how many per micro batch (num_layers for a layer's GEMM)
+
+    @property
+    def flops(self) -> float:
+        """Forward + input gradient + weight (or other operand) gradient: three products of 2mkn."""
+        return 3 * 2.0 * self.batch * self.m * self.k * self.n * self.count
+
+
+def model_gemms(*, micro_batch_size: int, seq_length: int, num_layers: int, hidden_size: int, ffn_hidden_size: int,
+                num_attention_heads: int, padded_vocab_size: int) -> list[Gemm]:
+    b, s, L, h, f, v = micro_batch_size, seq_length, num_layers, hidden_size, ffn_hidden_size, padded_vocab_size
+    t, heads, d = b * s, num_attention_heads, hidden_size // num_attention_heads
+    return [
+        Gemm("qkv", 1, t, h, 3 * h, L),
+        Gemm("attention scores", b * heads, s, d, s, L),
+        Gemm("attention context", b * heads, s, s, d, L),
+        Gemm("attention output", 1, t, h, h, L),
+        Gemm("mlp in", 1, t, h, f, L),
+        Gemm("mlp out", 1, t, f, h, L),
+        Gemm("logits", 1, t, h, v, 1),
+    ]
+
+
+def _time_gemm(gemm: Gemm, dtype: torch.dtype, device: torch.device, repeats: int) -> float:
+    """Seconds for one forward + two backward products of this shape (best of `repeats`)."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    a = torch.randn(gemm.batch, gemm.m, gemm.k, generator=gen).to(device, dtype)
+    w = torch.randn(gemm.batch, gemm.k, gemm.n, generator=gen).to(device, dtype)
+    g = torch.randn(gemm.batch, gemm.m, gemm.n, generator=gen).to(device, dtype)
+
+    def once() -> None:
+        torch.bmm(a, w)                   # forward      [m,k]x[k,n]
+        torch.bmm(g, w.transpose(1, 2))   # input grad   [m,n]x[n,k]
+        torch.bmm(a.transpose(1, 2), g)   # weight grad  [k,m]x[m,n]
+
+    once()  # warm-up (kernel selection, caches)
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        once()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure(gemms: list[Gemm], micro_batches: int, dtype: torch.dtype, device: torch.device,
+            repeats: int = 3) -> dict:
+    """The GEMM time and FLOP/s of one training iteration (micro_batches x the model's GEMMs)."""
+    rows, total_seconds, total_flops = [], 0.0, 0.0
+    for gemm in gemms:
+        seconds = _time_gemm(gemm, dtype, device, repeats) * gemm.count * micro_batches
+        flops = gemm.flops * micro_batches
+        rows.append({"gemm": gemm.name, "shape": [gemm.batch, gemm.m, gemm.k, gemm.n], "per_iteration": gemm.count
+                     * micro_batches, "ms": seconds * 1e3, "tflops": flops / seconds / 1e12})
+        total_seconds += seconds
+        total_flops += flops
+    return {"dtype": str(dtype).replace("torch.", ""), "gemm_ms_per_iteration": total_seconds * 1e3,
+            "gemm_flops_per_iteration": total_flops, "gemm_tflops": total_flops / total_seconds / 1e12, "gemms": rows}
