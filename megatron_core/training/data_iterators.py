@@ -1,28 +1,140 @@
-"""Batches in Megatron's order, resumable from a sample count.
+"""Batches in Megatron's order, resumable from a sample count, prepared ahead of the device.
 
 Megatron's pretraining sampler: the dataset is already shuffled (GPT indices), so samples are
 taken in index order; each global step of `micro_batch_size x dp` samples is split by DP rank.
 Starting at `consumed_samples` is all a resume needs to continue exactly where it stopped.
+
+`batch_iterator` returns a `PrefetchingBatches`: one background thread reads and stacks the next
+micro batches (pinned when the device is CUDA) into a small queue, and the training thread copies
+each with `non_blocking=True`, so the device does not wait for the disk or the collation. Under
+tensor parallelism only TP rank 0 reads; it broadcasts each batch to its TP group, as Megatron's
+`broadcast_data` does. `wait_seconds` is the time the training thread spent waiting for batches
+(Megatron's batch-generator timer).
 """
 
 from __future__ import annotations
 
-from typing import Iterator
+import queue
+import threading
+import time
+from typing import Iterator, Optional
 
 import torch
+import torch.distributed as dist
+
+from megatron_core import parallel_state as ps
+
+_END = object()
 
 
-def batch_iterator(dataset, *, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
-                   device: torch.device, wrap: bool = False) -> Iterator[dict]:
-    """Micro batches (dicts of [micro_batch_size, ...] tensors on `device`). With wrap=True the index
-    runs round the dataset (validation, whose size Megatron sizes for every evaluation anyway)."""
+def _read_batches(dataset, *, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
+                  wrap: bool, pin: bool) -> Iterator[dict]:
     step = micro_batch_size * dp_size
     start = consumed_samples
     size = len(dataset)
     while True:
         if not wrap and start + step > size:
             return
-        indices = [(start + dp_rank * micro_batch_size + i) % size for i in range(micro_batch_size)]
-        items = [dataset[i] for i in indices]
-        yield {key: torch.stack([item[key] for item in items]).to(device) for key in items[0]}
+        items = [dataset[(start + dp_rank * micro_batch_size + i) % size] for i in range(micro_batch_size)]
+        batch = {key: torch.stack([item[key] for item in items]) for key in items[0]}
+        yield {key: value.pin_memory() for key, value in batch.items()} if pin else batch
         start += step
+
+
+def _put(q: "queue.Queue", item, stop: threading.Event) -> bool:
+    """Put unless told to stop (then False)."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def _produce(source: Iterator[dict], q: "queue.Queue", stop: threading.Event) -> None:
+    """The background thread: batches, then _END (or the exception that stopped them)."""
+    try:
+        for batch in source:
+            if not _put(q, batch, stop):
+                return
+        item = _END
+    except BaseException as exc:  # noqa: BLE001 - handed to the training thread, raised there
+        item = exc
+    _put(q, item, stop)
+
+
+class PrefetchingBatches:
+    """Iterator of micro batches (dicts of [micro_batch_size, ...] tensors on `device`)."""
+
+    def __init__(self, source: Optional[Iterator[dict]], device: torch.device, depth: int = 2,
+                 tp_group=None) -> None:
+        self.device, self.tp_group = device, tp_group
+        self.wait_seconds = 0.0
+        self._schema: Optional[list[tuple[str, torch.Size, torch.dtype]]] = None
+        self._stop = threading.Event()
+        self._queue: "queue.Queue" = queue.Queue(maxsize=max(depth, 1))
+        self._thread = None
+        if source is not None:  # TP ranks other than 0 read nothing
+            self._thread = threading.Thread(target=_produce, args=(source, self._queue, self._stop), daemon=True,
+                                            name="batch-prefetch")
+            self._thread.start()
+
+    def __iter__(self) -> "PrefetchingBatches":
+        return self
+
+    def __next__(self) -> dict:
+        start = time.perf_counter()
+        batch = self._local_next() if self._thread is not None else None
+        if self.tp_group is not None:
+            batch = self._broadcast(batch)
+        self.wait_seconds += time.perf_counter() - start
+        if batch is None:
+            raise StopIteration
+        return {key: value.to(self.device, non_blocking=True) for key, value in batch.items()}
+
+    def _local_next(self) -> Optional[dict]:
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return None if item is _END else item
+
+    def _broadcast(self, batch: Optional[dict]) -> Optional[dict]:
+        """TP rank 0's batch (or its end) on every rank of the TP group."""
+        src = dist.get_global_rank(self.tp_group, 0)
+        if self._schema is None:  # shapes and dtypes, once: every later batch has the same
+            schema = [[(k, v.shape, v.dtype) for k, v in batch.items()] if batch is not None else None]
+            dist.broadcast_object_list(schema, src=src, group=self.tp_group)
+            if schema[0] is None:
+                return None
+            self._schema = schema[0]
+        present = torch.tensor([batch is not None], dtype=torch.int64)
+        dist.broadcast(present, src=src, group=self.tp_group)
+        if not present.item():
+            return None
+        if batch is None:
+            batch = {key: torch.empty(shape, dtype=dtype) for key, shape, dtype in self._schema}
+        for key, _, _ in self._schema:
+            dist.broadcast(batch[key], src=src, group=self.tp_group)
+        return batch
+
+    def close(self) -> None:
+        """Stop the reading thread (an iterator that wraps round never ends by itself)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def __del__(self) -> None:
+        self._stop.set()
+
+
+def batch_iterator(dataset, *, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
+                   device: torch.device, wrap: bool = False, prefetch: int = 2) -> PrefetchingBatches:
+    """Micro batches from `consumed_samples` on. With wrap=True the index runs round the dataset
+    (validation, whose size Megatron sizes for every evaluation anyway)."""
+    tp_group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
+    reads = tp_group is None or ps.get_tensor_model_parallel_rank() == 0
+    source = _read_batches(dataset, consumed_samples=consumed_samples, micro_batch_size=micro_batch_size,
+                           dp_rank=dp_rank, dp_size=dp_size, wrap=wrap,
+                           pin=device.type == "cuda") if reads else None
+    return PrefetchingBatches(source, device, depth=prefetch, tp_group=tp_group)

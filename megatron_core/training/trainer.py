@@ -186,14 +186,17 @@ class Trainer:
                                   device=self.device, wrap=True)
         self.model.eval()
         total, count = 0.0, 0
-        with torch.no_grad():
-            for _ in range(iters):
-                losses = self.forward_backward(gpt_forward_step, iterator, self.model, self.num_micro_batches,
-                                               seq_length=self.recipe.model.seq_length,
-                                               micro_batch_size=t.micro_batch_size, forward_only=True)
-                for d in losses:
-                    total += float(d["lm loss"])
-                    count += 1
+        try:
+            with torch.no_grad():
+                for _ in range(iters):
+                    losses = self.forward_backward(gpt_forward_step, iterator, self.model, self.num_micro_batches,
+                                                   seq_length=self.recipe.model.seq_length,
+                                                   micro_batch_size=t.micro_batch_size, forward_only=True)
+                    for d in losses:
+                        total += float(d["lm loss"])
+                        count += 1
+        finally:
+            iterator.close()
         self.model.train()
         loss = _average_over_dp(total / count) if count else float("nan")
         return self.logger.evaluation(kind, self.state.iteration, loss) if count else None
@@ -220,7 +223,7 @@ class Trainer:
         return _average_over_dp(loss) if losses else loss, ok, grad_norm
 
     def _log_interval(self, lr: float, grad_norm: Optional[float], loss: float, skipped_now: int,
-                      nan_now: int) -> None:
+                      nan_now: int, data_wait_s: float = 0.0) -> None:
         t, s = self.recipe.training, self.state
         elapsed = time.time() - s.interval_start
         per_iter = elapsed / max(s.interval_iterations, 1)
@@ -229,10 +232,13 @@ class Trainer:
         mfu = flops_lib.mfu(tflops, self.peak_tflops)
         record = {"iteration": s.iteration, "consumed_samples": s.consumed_train_samples, "lm_loss": loss, "lr": lr,
                   "grad_norm": grad_norm, "loss_scale": self.optimizer.loss_scale, "elapsed_ms": per_iter * 1000.0,
-                  "tokens_per_s": tokens_per_s, "tflops": tflops, "skipped": skipped_now, "nan": nan_now}
+                  "tokens_per_s": tokens_per_s, "tflops": tflops, "skipped": skipped_now, "nan": nan_now,
+                  "batch_generator_ms": data_wait_s * 1000.0 / max(s.interval_iterations, 1),
+                  "batch_generator_share": data_wait_s / elapsed if elapsed > 0 else 0.0}
         if mfu is not None:
             record["mfu"] = mfu
-        extra = f" tokens/s: {tokens_per_s:.0f} |" + (f" MFU: {100 * mfu:.1f}% |" if mfu is not None else "")
+        extra = (f" tokens/s: {tokens_per_s:.0f} | batch-generator: {record['batch_generator_ms']:.1f} ms |"
+                 + (f" MFU: {100 * mfu:.1f}% |" if mfu is not None else ""))
         line = megatron_train_line(iteration=s.iteration, train_iters=t.train_iters,
                                    consumed_samples=s.consumed_train_samples, elapsed_ms=per_iter * 1000.0,
                                    tflops=tflops, lr=lr, global_batch_size=t.global_batch_size, lm_loss=loss,
@@ -256,6 +262,7 @@ class Trainer:
             self.model.train()
             s.interval_start, s.interval_iterations = time.time(), 0
             skipped_since, nan_since, losses_since = 0, 0, []
+            waited_before = 0.0  # the batch generator's wait at the last log line
             while s.iteration < t.train_iters:
                 loss, ok, grad_norm = self.train_step(data_iterator)
                 s.iteration += 1
@@ -272,7 +279,8 @@ class Trainer:
                 if s.iteration % t.log_interval == 0:
                     mean_loss = sum(losses_since) / len(losses_since) if losses_since else float("nan")
                     self._log_interval(self.optimizer.param_groups[0]["lr"], grad_norm, mean_loss,
-                                       skipped_since, nan_since)
+                                       skipped_since, nan_since, data_iterator.wait_seconds - waited_before)
+                    waited_before = data_iterator.wait_seconds
                     s.interval_start, s.interval_iterations = time.time(), 0
                     skipped_since, nan_since, losses_since = 0, 0, []
                 if s.iteration % t.eval_interval == 0:
@@ -292,6 +300,8 @@ class Trainer:
             if stopped_by is None:
                 test = self.evaluate(self.test_ds, "test", 0, t.eval_iters)
         finally:
+            if data_iterator is not None:
+                data_iterator.close()
             for sig, previous in previous_handlers.items():
                 signal.signal(sig, previous)
         if self.logger.writer:
