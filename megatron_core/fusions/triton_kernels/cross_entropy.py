@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_core.fusions._collectives import all_reduce_max, all_reduce_sum
 from megatron_core.fusions.triton_kernels import _common
 
 VOCAB_BLOCK = 4096
@@ -101,8 +102,6 @@ def _(logits, labels, log_sum_exp, dloss, vocab_start):
 class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, group, vocab_start):
-        from megatron_core.fusions.cross_entropy import all_reduce_max, all_reduce_sum
-
         logits2d = logits.reshape(-1, logits.shape[-1]).contiguous()
         labels1d = labels.reshape(-1).to(torch.int64).contiguous()
         local_max, sum_exp, target = cross_entropy_fwd(logits2d, labels1d, vocab_start)
