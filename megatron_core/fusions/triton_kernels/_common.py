@@ -1,6 +1,16 @@
-"""Helpers shared by the Triton launchers: output allocation, dtype checks, launch sizes."""
+"""Helpers shared by the Triton launchers: output allocation, dtype checks, launch sizes, and the `Launch`
+record each launcher builds.
+
+Every launcher is split in two: `_<op>(..., launch)` allocates the outputs, works out the grid, the block
+sizes and num_warps from the shapes, and hands one `Launch` per kernel to `launch`; the torch custom op
+calls it with `run` (launch now), and megatron_core.fusions.aot calls it with meta tensors and a recorder,
+then compiles each recorded kernel for a GPU from exactly those arguments. So the ahead-of-time compile and
+the run-time launch share one signature and one choice of block sizes and cannot drift apart."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import triton
@@ -39,6 +49,27 @@ def rows_per_block(block_n: int) -> int:
 def warps_for(block: int) -> int:
     """Enough warps that each thread holds a handful of elements of a row."""
     return min(max(block // 256, 1), 16)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One launch of a @triton.jit kernel: positional arguments in the kernel's order (tensors and scalars),
+    the constexpr keyword arguments, and the launch options."""
+
+    kernel: Any  # triton.JITFunction (or the interpreter's InterpretedFunction)
+    grid: tuple
+    args: tuple
+    constexprs: dict = field(default_factory=dict)
+    num_warps: int = 4
+
+    @property
+    def name(self) -> str:
+        return self.kernel.fn.__name__
+
+
+def run(launch: Launch) -> None:
+    """Launch it now (on the tensors' device, or under the interpreter)."""
+    launch.kernel[launch.grid](*launch.args, **launch.constexprs, num_warps=launch.num_warps)
 
 
 def sm_count(device: torch.device) -> int:
