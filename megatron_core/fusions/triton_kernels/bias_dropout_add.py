@@ -10,9 +10,10 @@ import triton
 import triton.language as tl
 
 from megatron_core.fusions.triton_kernels import _common
+from megatron_core.fusions.triton_kernels.bias_gelu import _columns
 
 ELEMENTWISE_BLOCK = 4096
-ELEMENTWISE_WARPS = 4  # triton's default, which these launches always used: 32 elements per thread
+ELEMENTWISE_WARPS = _common.warps_for(ELEMENTWISE_BLOCK)  # 16: 8 elements per thread (4 warps spilled)
 _INT32_LIMIT = 2**31 - 1
 
 
@@ -29,11 +30,12 @@ def _kept(seed_ptr, offsets, p, WIDE_OFFSETS: tl.constexpr):
 @triton.jit
 def _bias_dropout_add_fwd_kernel(X, B, R, Y, Seed, numel, hidden, p, scale, HAS_BIAS: tl.constexpr,
                                  DROPOUT: tl.constexpr, WIDE_OFFSETS: tl.constexpr, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offsets = start + tl.arange(0, BLOCK)
     live = offsets < numel
     z = tl.load(X + offsets, mask=live, other=0.0).to(tl.float32)
     if HAS_BIAS:
-        z += tl.load(B + offsets % hidden, mask=live, other=0.0).to(tl.float32)
+        z += tl.load(B + _columns(start, hidden, BLOCK), mask=live, other=0.0).to(tl.float32)
     if DROPOUT:
         z = tl.where(_kept(Seed, offsets, p, WIDE_OFFSETS), z * scale, 0.0)
     y = tl.load(R + offsets, mask=live, other=0.0).to(tl.float32) + z
