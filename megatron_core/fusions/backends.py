@@ -68,7 +68,11 @@ def triton_problem(device) -> str | None:
     problem = _triton_import_problem()
     if problem is None:
         if kind == "cuda":
-            problem = None if torch.cuda.is_available() else "no CUDA device is available to this process"
+            if not torch.cuda.is_available():
+                problem = "no CUDA device is available to this process"
+            elif os.environ.get("TRITON_INTERPRET") == "1":
+                problem = ("TRITON_INTERPRET=1 is set, so the kernels would run in Triton's interpreter on host copies "
+                           "of the CUDA tensors, not compiled for the GPU; unset it")
         elif kind == "cpu":
             problem = _triton_interpreter_problem()
         else:
