@@ -87,6 +87,10 @@ def test_mode_is_the_one_required():
         assert MODE == required, f"{MODE_LINE}, but MEGATRON_FUSIONS_TEST_MODE={required} was required"
         if COMPILED:
             assert TRITON_PROBLEM is None, f"compiled mode required, but Triton cannot run on the GPU: {TRITON_PROBLEM}"
+    if COMPILED and TRITON_PROBLEM is None:  # triton imported earlier with the interpreter on would interpret
+        from megatron_core.fusions.triton_kernels.layer_norm import _layer_norm_fwd_kernel
+
+        assert type(_layer_norm_fwd_kernel).__name__ == "JITFunction", type(_layer_norm_fwd_kernel)
     assert torch.empty(1).device.type == DEVICE.type
 
 
