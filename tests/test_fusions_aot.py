@@ -3,7 +3,7 @@ machine (no GPU needed: Triton's bundled ptxas makes the cubin and reports regis
 
 CI compiles every kernel for sm_90 (all dtypes, both shape sets: 72 compiles, ~40 s on 2 shared CPU cores) and
 the element-wise ones for sm_80 (36 compiles, ~15 s), each into a fresh Triton cache in a temporary directory.
-The full sm_80,sm_90 run (144 compiles, ~90 s) is recorded in bench/results/triton-aot-*.json. Run in subprocesses: compiling needs
+The full sm_80,sm_90 run (144 compiles, 60-90 s with a cold cache) is recorded in bench/results/triton-aot-*.json. Run in subprocesses: compiling needs
 triton imported without TRITON_INTERPRET, which must not leak into this pytest process."""
 
 import json
