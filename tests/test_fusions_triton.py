@@ -333,6 +333,54 @@ def test_compiled_graph_keeps_the_triton_ops_opaque():
                  torch.autograd.grad(eager_out.sum(), x)[0], torch.float32)
 
 
+def launch_key(launch):
+    """What a compile depends on: kernel, constexprs, num_warps, and each argument's dtype/shape or value."""
+    args = tuple(("tensor", a.dtype, tuple(a.shape)) if isinstance(a, torch.Tensor) else (type(a).__name__, a)
+                 for a in launch.args)
+    return launch.name, tuple(launch.grid), tuple(sorted(launch.constexprs.items())), launch.num_warps, args
+
+
+AOT_SHAPES = {"batch": 2, "seq": 37, "hidden": 200, "heads": 3, "vocab": 1000}
+
+
+@needs_triton_here
+@pytest.mark.parametrize("fusion", ["layer_norm", "bias_gelu", "bias_dropout_add", "softmax", "cross_entropy"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_aot_compiles_the_launches_the_ops_make(fusion, dtype, monkeypatch):
+    """megatron_core.fusions.aot records the launches from the launchers on meta tensors; the ops, called
+    forward and backward through the public API, must launch exactly those kernels with those arguments."""
+    from megatron_core.fusions import aot
+    from megatron_core.fusions.triton_kernels import _common
+
+    shapes = aot.Shapes("test", **AOT_SHAPES)
+    made = []
+
+    real_run = _common.run
+    monkeypatch.setattr(_common, "run", lambda launch: (made.append(launch_key(launch)), real_run(launch)))
+    rows, hidden = shapes.tokens, shapes.hidden
+    if fusion == "layer_norm":
+        out = layer_norm(leaf(torch.randn(rows, hidden), dtype), leaf(torch.randn(hidden), dtype),
+                         leaf(torch.randn(hidden), dtype), eps=1e-5, backend="triton")
+    elif fusion == "bias_gelu":
+        out = bias_gelu(leaf(torch.randn(rows, 4 * hidden), dtype), leaf(torch.randn(4 * hidden), dtype),
+                        backend="triton")
+    elif fusion == "bias_dropout_add":
+        out = bias_dropout_add(leaf(torch.randn(rows, hidden), dtype), leaf(torch.randn(hidden), dtype),
+                               leaf(torch.randn(rows, hidden), dtype), 0.1, True, generator_seed=5, backend="triton")
+    elif fusion == "softmax":
+        out = scaled_causal_softmax(leaf(torch.randn(shapes.batch, shapes.heads, shapes.seq, shapes.seq), dtype),
+                                    0.125, backend="triton")
+    else:
+        out = cross_entropy(leaf(torch.randn(rows, shapes.vocab), dtype), torch.randint(0, shapes.vocab, (rows,)),
+                            backend="triton")
+    out.float().sum().backward()
+    recorded = {launch_key(launch) for _, launch in
+                aot.recorded_launches(fusion, shapes, dtype, _common.sm_count(DEVICE))}
+    assert made and set(made) <= recorded, f"launched but not compiled ahead of time: {set(made) - recorded}"
+    if fusion != "bias_dropout_add":  # the AOT also compiles the no-dropout forward and the keep-mask kernel
+        assert set(made) == recorded, f"compiled ahead of time but never launched: {recorded - set(made)}"
+
+
 def test_triton_cases_in_a_fresh_process():
     if COMPILED:
         pytest.skip("compiled mode: this process runs the cases on the GPU itself")

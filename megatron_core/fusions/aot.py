@@ -78,11 +78,7 @@ def parse_arch(text: str) -> int:
 
 
 def _kernel_modules():
-    """The kernel modules (they import triton). Refused under the interpreter: there @triton.jit makes
-    interpreted functions, which cannot be compiled."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        raise UserError("TRITON_INTERPRET=1 is set: Triton's interpreter replaces compilation, so nothing could be "
-                        "compiled; unset it for this command")
+    """The kernel modules (they import triton)."""
     # Lazy, as triton itself below: importing this module (for SHAPES or ptxas_figures) must not import triton,
     # which would fix the interpreter mode of the importing process (see fusions/backends.py).
     from megatron_core.fusions.triton_kernels import (
@@ -208,6 +204,9 @@ def _short(value) -> str:
 
 
 def compile_all(capabilities, dtype_names, shape_names, fusions, progress=None) -> list[dict]:
+    if os.environ.get("TRITON_INTERPRET") == "1":  # @triton.jit then makes interpreted functions: no compiling
+        raise UserError("TRITON_INTERPRET=1 is set: Triton's interpreter replaces compilation, so nothing could be "
+                        "compiled; unset it for this command")
     progress = progress or sys.stderr
     jobs = []
     for capability in capabilities:
