@@ -69,14 +69,20 @@ def test_every_kernel_compiles_for_sm90_without_spills(tmp_path):
     assert softmax == {"codeparrot-small": {"BLOCK_M": 4, "BLOCK_N": 1024},
                        "awkward": {"BLOCK_M": 64, "BLOCK_N": 64}}
 
-    # Again from the cache: the figures come back from the ptxas report stored beside each cubin.
-    again = run_aot(["--arch", "sm_90", "--json", "--fusions", "layer_norm", "--dtypes", "bf16"],
-                    tmp_path / "triton-cache")
-    assert again.returncode == 0, again.stderr[-3000:]
-    cached = {(e["kernel"], e["shapes"]): e["registers"] for e in json.loads(again.stdout)}
+    # Again from the cache: the figures come back from the ptxas report stored beside each cubin, and when a
+    # cached kernel has none (cached by a plain launch) it is compiled once more to get one.
     first = {(e["kernel"], e["shapes"]): e["registers"] for e in entries
              if e["dtype"] == "bf16" and e["kernel"].startswith("layer_norm")}
-    assert cached == first
+    for drop_reports in (False, True):
+        if drop_reports:
+            reports = list((tmp_path / "triton-cache").rglob("ptxas-v.log"))
+            assert len(reports) >= 72 // 2, len(reports)  # identical specialisations share one cache entry
+            for report in reports:
+                report.unlink()
+        again = run_aot(["--arch", "sm_90", "--json", "--fusions", "layer_norm", "--dtypes", "bf16"],
+                        tmp_path / "triton-cache")
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert {(e["kernel"], e["shapes"]): e["registers"] for e in json.loads(again.stdout)} == first
 
 
 @needs_ptxas
