@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import triton
+import triton.language as tl
 
 from megatron_core.errors import UserError
 
@@ -49,6 +50,14 @@ def rows_per_block(block_n: int) -> int:
 def warps_for(block: int) -> int:
     """Enough warps that each thread holds a handful of elements of a row."""
     return min(max(block // 256, 1), 16)
+
+
+@triton.jit
+def bias_columns(start, hidden, BLOCK: tl.constexpr):
+    """Column (bias index) of flat elements start .. start + BLOCK - 1 of a [rows, hidden] tensor: one int64
+    remainder per program, then int32 ones per element. (An int64 `offsets % hidden` per element compiles
+    to calls of a 64-bit division routine, which made ptxas spill registers on sm_80.)"""
+    return ((start % hidden).to(tl.int32) + tl.arange(0, BLOCK)) % hidden
 
 
 @dataclass(frozen=True)

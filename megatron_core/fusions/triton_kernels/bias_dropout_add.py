@@ -10,7 +10,6 @@ import triton
 import triton.language as tl
 
 from megatron_core.fusions.triton_kernels import _common
-from megatron_core.fusions.triton_kernels.bias_gelu import _columns
 
 ELEMENTWISE_BLOCK = 4096
 ELEMENTWISE_WARPS = _common.warps_for(ELEMENTWISE_BLOCK)  # 16: 8 elements per thread (4 warps spilled)
@@ -35,7 +34,7 @@ def _bias_dropout_add_fwd_kernel(X, B, R, Y, Seed, numel, hidden, p, scale, HAS_
     live = offsets < numel
     z = tl.load(X + offsets, mask=live, other=0.0).to(tl.float32)
     if HAS_BIAS:
-        z += tl.load(B + _columns(start, hidden, BLOCK), mask=live, other=0.0).to(tl.float32)
+        z += tl.load(B + _common.bias_columns(start, hidden, BLOCK), mask=live, other=0.0).to(tl.float32)
     if DROPOUT:
         z = tl.where(_kept(Seed, offsets, p, WIDE_OFFSETS), z * scale, 0.0)
     y = tl.load(R + offsets, mask=live, other=0.0).to(tl.float32) + z

@@ -26,20 +26,12 @@ def _tanh(u):
 
 
 @triton.jit
-def _columns(start, hidden, BLOCK: tl.constexpr):
-    """Column (bias index) of flat elements start .. start + BLOCK - 1 of a [rows, hidden] tensor: one int64
-    remainder per program, then int32 ones per element. (An int64 `offsets % hidden` per element compiles
-    to calls of a 64-bit division routine, which made ptxas spill registers on sm_80.)"""
-    return ((start % hidden).to(tl.int32) + tl.arange(0, BLOCK)) % hidden
-
-
-@triton.jit
 def _bias_gelu_fwd_kernel(X, B, Y, numel, hidden, BLOCK: tl.constexpr):
     start = tl.program_id(0).to(tl.int64) * BLOCK
     offsets = start + tl.arange(0, BLOCK)
     live = offsets < numel
     z = tl.load(X + offsets, mask=live, other=0.0).to(tl.float32)
-    z += tl.load(B + _columns(start, hidden, BLOCK), mask=live, other=0.0).to(tl.float32)
+    z += tl.load(B + _common.bias_columns(start, hidden, BLOCK), mask=live, other=0.0).to(tl.float32)
     t = _tanh(0.7978845608028654 * (z + 0.044715 * z * z * z))
     tl.store(Y + offsets, (0.5 * z * (1.0 + t)).to(Y.dtype.element_ty), mask=live)
 
@@ -50,7 +42,7 @@ def _bias_gelu_bwd_kernel(DY, X, B, DX, numel, hidden, BLOCK: tl.constexpr):
     offsets = start + tl.arange(0, BLOCK)
     live = offsets < numel
     z = tl.load(X + offsets, mask=live, other=0.0).to(tl.float32)
-    z += tl.load(B + _columns(start, hidden, BLOCK), mask=live, other=0.0).to(tl.float32)
+    z += tl.load(B + _common.bias_columns(start, hidden, BLOCK), mask=live, other=0.0).to(tl.float32)
     dy = tl.load(DY + offsets, mask=live, other=0.0).to(tl.float32)
     t = _tanh(0.7978845608028654 * (z + 0.044715 * z * z * z))
     dt_dz = (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * z * z)
