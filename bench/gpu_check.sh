@@ -16,13 +16,19 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
 WORK=${WORK:-/tmp/megatron-recipes-gpu-check}
 ITERS=${ITERS:-10}
+if [ -n "${TRITON_INTERPRET:-}" ]; then
+  echo "error: TRITON_INTERPRET=$TRITON_INTERPRET is set; this check compiles the kernels for the GPU, unset it" >&2
+  exit 2
+fi
 
 echo "== environment"
 "$PY" -m megatron_core.doctor || true
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU visible'; print(torch.cuda.get_device_name())"
 
-echo "== fused kernels vs references on the GPU"
-"$PY" -m pytest -q -p no:cacheprovider -x tests/test_fusions_triton.py tests/test_fusions_reference.py
+echo "== fused kernels vs references on the GPU (compiled mode required)"
+# Compiled for this GPU on CUDA tensors: the test fails unless that mode ran, and prints it.
+MEGATRON_FUSIONS_TEST_MODE=compiled "$PY" -m pytest -q -p no:cacheprovider -x tests/test_fusions_triton.py \
+  tests/test_fusions_reference.py
 
 echo "== bench.kernels"
 "$PY" -m bench.kernels --dtype bf16 --iters 50

@@ -10,14 +10,18 @@ workdir=$(mktemp -d "${RUNNER_TEMP:-/tmp}/gpu-smoke.XXXXXX")
 echo "== build $image"
 invoke docker.build --tag "$image"
 
-docker_run=(docker run --rm --gpus all --ipc=host --ulimit memlock=-1 --ulimit stack=67108864
-            -v "$workdir:/work" "$image")
+docker_flags=(--rm --gpus all --ipc=host --ulimit memlock=-1 --ulimit stack=67108864 -v "$workdir:/work")
+docker_run=(docker run "${docker_flags[@]}" "$image")
 
 echo "== doctor inside the image (CUDA, NCCL, Apex and Triton must all be usable)"
 "${docker_run[@]}" python -m megatron_core.doctor --require cuda,nccl,apex,triton
 
-echo "== kernel tests on the GPU"
-"${docker_run[@]}" python -m pytest -q -p no:cacheprovider tests -k "fusion or kernel or triton or apex"
+# The image sets no TRITON_INTERPRET, so the Triton kernels are compiled for the GPU and run on CUDA tensors;
+# MEGATRON_FUSIONS_TEST_MODE=compiled makes tests/test_fusions_triton.py fail if they would run in the
+# interpreter instead, and it prints the mode that ran ("fusion kernel tests: compiled mode ...").
+echo "== kernel tests on the GPU (compiled mode required)"
+docker run "${docker_flags[@]}" -e MEGATRON_FUSIONS_TEST_MODE=compiled "$image" \
+  python -m pytest -q -p no:cacheprovider tests -k "fusion or kernel or triton or apex"
 
 echo "== GPU smoke run"
 invoke docker.run --image "$image" --recipe smoke --gpus 1 --workdir "$workdir" \

@@ -128,6 +128,20 @@ def test_triton_on_cpu_without_the_interpreter_is_a_user_error(monkeypatch):
         layer_norm(torch.randn(2, 8), torch.ones(8), torch.zeros(8), backend="triton")
 
 
+def test_triton_on_cuda_under_the_interpreter_is_a_user_error(monkeypatch):
+    """With TRITON_INTERPRET=1 a "triton" backend on CUDA would interpret the kernels on host copies: refused,
+    so that nothing claims to have run compiled kernels on the GPU when it did not."""
+    from megatron_core.fusions import backends
+
+    monkeypatch.setattr(backends, "_TRITON_USABLE_ON", set())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(UserError, match="interpreter on host copies"):
+        resolve_backends("triton", device="cuda")
+    assert resolve_backends("auto", device="cuda").layer_norm == "torch"
+    assert "TRITON_INTERPRET=1" in resolve_backends("auto", device="cuda").note
+
+
 def test_bad_inputs_are_user_errors():
     with pytest.raises(UserError, match="weight"):
         layer_norm(torch.randn(2, 8), torch.ones(7), torch.zeros(8))

@@ -1,4 +1,12 @@
-"""Every Triton kernel against its torch reference, under Triton's CPU interpreter.
+"""Every Triton kernel against its torch reference, forward and backward, in one of two modes picked at start:
+
+* compiled: a CUDA GPU is visible, so the tensors are CUDA tensors and Triton compiles each kernel for that GPU;
+* interpreter: no GPU, so TRITON_INTERPRET=1 is set (before anything imports triton) and the kernels run on CPU
+  tensors in Triton's interpreter.
+
+The mode is printed once per session ("fusion kernel tests: ... mode") and each comparison asserts its tensors
+live on the mode's device. MEGATRON_FUSIONS_TEST_MODE=compiled (or interpreter) makes the run fail unless that mode
+ran: ci/gpu.sh and bench/gpu_check.sh set it, so a GPU job cannot quietly test the interpreter instead.
 
 How the interpreter gets switched on (checked on triton 3.9): TRITON_INTERPRET=1 must be in the environment
 before the process first imports triton, because triton decorates its own library functions (tl.rand,
@@ -8,6 +16,7 @@ module is imported first. In a full pytest run some earlier module may already h
 (torch._dynamo and transformers' model code do); then these cases cannot run in this process, and
 `test_triton_cases_in_a_fresh_process` runs this very file in a fresh python with the variable set (and fails if
 any case fails there). Exactly one of the two paths runs the cases; the other is skipped with its reason.
+In compiled mode TRITON_INTERPRET must not be set at all (fusions/backends.py refuses Triton on CUDA then).
 
 Outputs are poisoned: every tensor a launcher allocates is filled with NaN (floats) or 127 (int8 masks), so an
 element a kernel forgets to write fails the comparison. Tolerances are norm-wise relative: ||a - b|| / ||b||,
@@ -16,13 +25,18 @@ against an fp32 reference computed from the same (possibly low-precision) inputs
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before anything below can import triton; see the docstring
+import torch  # imports no triton
+
+COMPILED = torch.cuda.is_available()
+MODE = "compiled" if COMPILED else "interpreter"
+DEVICE = torch.device("cuda" if COMPILED else "cpu")
+if not COMPILED:
+    os.environ["TRITON_INTERPRET"] = "1"  # before anything below can import triton; see the docstring
 
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from megatron_core.errors import UserError  # noqa: E402
@@ -39,10 +53,46 @@ from megatron_core.fusions.cross_entropy import cross_entropy_reference  # noqa:
 from megatron_core.fusions.layer_norm import layer_norm_reference  # noqa: E402
 from megatron_core.fusions.softmax import scaled_causal_softmax_reference  # noqa: E402
 
-INTERPRETER_PROBLEM = triton_problem("cpu")
-needs_interpreter = pytest.mark.skipif(
-    INTERPRETER_PROBLEM is not None,
-    reason=f"not in this process ({INTERPRETER_PROBLEM}); test_triton_cases_in_a_fresh_process runs them")
+MODE_LINE = (f"fusion kernel tests: compiled mode (CUDA tensors, Triton kernels compiled for "
+             f"{torch.cuda.get_device_name()})" if COMPILED else
+             "fusion kernel tests: interpreter mode (CPU tensors, TRITON_INTERPRET=1)")
+TRITON_PROBLEM = triton_problem(DEVICE)
+needs_triton_here = pytest.mark.skipif(
+    TRITON_PROBLEM is not None,
+    reason=(f"not in this process ({TRITON_PROBLEM}); test_triton_cases_in_a_fresh_process runs them"
+            if not COMPILED else f"Triton cannot run on the GPU: {TRITON_PROBLEM}"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report_mode(request):
+    """Say which mode runs, once, past pytest's output capture."""
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        print(f"\n{MODE_LINE}" + (f" -- cases skipped here: {TRITON_PROBLEM}" if TRITON_PROBLEM else ""), flush=True)
+    yield
+
+
+@pytest.fixture(autouse=True)
+def on_mode_device():
+    """Every tensor a test makes without naming a device lands on the mode's device."""
+    with torch.device(DEVICE):
+        yield
+
+
+def test_mode_is_the_one_required():
+    """MEGATRON_FUSIONS_TEST_MODE names the mode a job expects (the GPU jobs: compiled); anything else fails."""
+    required = os.environ.get("MEGATRON_FUSIONS_TEST_MODE")
+    if required is not None:
+        assert required in ("compiled", "interpreter"), f"MEGATRON_FUSIONS_TEST_MODE={required!r}"
+        assert MODE == required, f"{MODE_LINE}, but MEGATRON_FUSIONS_TEST_MODE={required} was required"
+        if COMPILED:
+            assert TRITON_PROBLEM is None, f"compiled mode required, but Triton cannot run on the GPU: {TRITON_PROBLEM}"
+    if COMPILED and TRITON_PROBLEM is None:  # triton imported earlier with the interpreter on would interpret
+        from megatron_core.fusions.triton_kernels.layer_norm import _layer_norm_fwd_kernel
+
+        assert type(_layer_norm_fwd_kernel).__name__ == "JITFunction", type(_layer_norm_fwd_kernel)
+    assert torch.empty(1).device.type == DEVICE.type
+
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 HIDDEN_SIZES = (64, 768, 1000, 1536)
@@ -60,6 +110,7 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    assert actual.device.type == DEVICE.type, f"{name}: on {actual.device}, but the {MODE} mode runs on {DEVICE}"
     assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     assert torch.isfinite(actual).all(), f"{name}: non-finite values (an unwritten, poisoned element?)"
     error = relative_error(actual, expected)
@@ -105,7 +156,7 @@ def compare_fwd_bwd(name, fused, reference, inputs, dtype):
         assert_close(f"{name} grad of input {index}", grad, grad_ref, dtype)
 
 
-@needs_interpreter
+@needs_triton_here
 @pytest.mark.parametrize("rows,hidden,dtype", ELEMENTWISE_GRID)
 def test_layer_norm_matches_reference(rows, hidden, dtype, poisoned_outputs):
     x = leaf(torch.randn(rows, hidden) * 3 + 1, dtype)
@@ -114,7 +165,7 @@ def test_layer_norm_matches_reference(rows, hidden, dtype, poisoned_outputs):
                     lambda *a: layer_norm_reference(*a, eps=1e-5), [x, weight, bias], dtype)
 
 
-@needs_interpreter
+@needs_triton_here
 @pytest.mark.parametrize("rows,hidden,dtype", ELEMENTWISE_GRID)
 def test_bias_gelu_matches_reference(rows, hidden, dtype, poisoned_outputs):
     x, bias = leaf(torch.randn(rows, hidden) * 2, dtype), leaf(torch.randn(hidden), dtype)
@@ -126,7 +177,7 @@ def masked_reference(x, bias, residual, keep, p):
     return residual + torch.where(keep, z / (1.0 - p), torch.zeros_like(z))
 
 
-@needs_interpreter
+@needs_triton_here
 @pytest.mark.parametrize("rows,hidden,dtype", ELEMENTWISE_GRID)
 def test_bias_dropout_add_matches_reference_with_the_kernel_mask(rows, hidden, dtype, poisoned_outputs):
     from megatron_core.fusions.triton_kernels.bias_dropout_add import keep_mask, seed_tensor
@@ -140,7 +191,7 @@ def test_bias_dropout_add_matches_reference_with_the_kernel_mask(rows, hidden, d
                     lambda x_, b_, r_: masked_reference(x_, b_, r_, keep, p), [x, bias, residual], dtype)
 
 
-@needs_interpreter
+@needs_triton_here
 def test_dropout_mask_is_seeded_and_keeps_one_minus_p(poisoned_outputs):
     from megatron_core.fusions.triton_kernels.bias_dropout_add import keep_mask, seed_tensor
 
@@ -158,7 +209,7 @@ def test_dropout_mask_is_seeded_and_keeps_one_minus_p(poisoned_outputs):
     assert not torch.equal(*unseeded), "without a seed, each call must draw a fresh mask"
 
 
-@needs_interpreter
+@needs_triton_here
 @pytest.mark.parametrize("p,training", [(0.0, True), (0.4, False), (1.0, True)])
 def test_bias_dropout_add_edge_probabilities(p, training, poisoned_outputs):
     x, bias, residual = (torch.randn(7, 768, requires_grad=True), torch.randn(768, requires_grad=True),
@@ -177,7 +228,7 @@ SOFTMAX_GRID = ([((1, 1, 1, 1), torch.float32), ((2, 3, 7, 7), torch.float32), (
                  ((2, 2, 33, 33), torch.float16), ((1, 2, 64, 64), torch.bfloat16)])
 
 
-@needs_interpreter
+@needs_triton_here
 @pytest.mark.parametrize("shape,dtype", SOFTMAX_GRID)
 def test_scaled_causal_softmax_matches_reference(shape, dtype, poisoned_outputs):
     scale = 0.125
@@ -190,7 +241,7 @@ CROSS_ENTROPY_GRID = ([(rows, vocab, torch.float32) for vocab in (64, 1000, 1536
                       + [(7, 1000, torch.float16), (33, 9000, torch.float16), (7, 1536, torch.bfloat16)])
 
 
-@needs_interpreter
+@needs_triton_here
 @pytest.mark.parametrize("rows,vocab,dtype", CROSS_ENTROPY_GRID)
 def test_cross_entropy_matches_reference(rows, vocab, dtype, poisoned_outputs):
     logits = leaf(torch.randn(rows, vocab) * 3, dtype)
@@ -205,7 +256,7 @@ def test_cross_entropy_matches_reference(rows, vocab, dtype, poisoned_outputs):
                     lambda lg: cross_entropy_reference(lg, labels), [leaf(logits.detach(), dtype)], dtype)
 
 
-@needs_interpreter
+@needs_triton_here
 def test_cross_entropy_with_a_shard_offset_matches_the_torch_backend(poisoned_outputs):
     """One shard alone (no group): the gradient of every row, and the loss of rows whose label lies in
     [start, start + V_local), agree with the torch backend. (Rows with foreign labels hold only a partial
@@ -221,7 +272,7 @@ def test_cross_entropy_with_a_shard_offset_matches_the_torch_backend(poisoned_ou
                  torch.autograd.grad(theirs.sum(), logits)[0], torch.float32)
 
 
-@needs_interpreter
+@needs_triton_here
 def test_layer_norm_backward_partial_sums_over_many_groups(poisoned_outputs):
     """1024 rows of hidden 64: 16 row blocks, split over several programs' partial dweight/dbias rows."""
     x, weight, bias = leaf(torch.randn(1024, 64), torch.float32), leaf(torch.randn(64), torch.float32), \
@@ -232,7 +283,7 @@ def test_layer_norm_backward_partial_sums_over_many_groups(poisoned_outputs):
         f"expected several partial-sum rows among allocations {poisoned_outputs}"
 
 
-@needs_interpreter
+@needs_triton_here
 def test_non_contiguous_inputs_are_copied_contiguous(poisoned_outputs):
     base = torch.randn(768, 7)
     x = base.t()  # [7, 768], not contiguous
@@ -250,14 +301,14 @@ def test_non_contiguous_inputs_are_copied_contiguous(poisoned_outputs):
                  F.cross_entropy(logits, labels, reduction="none"), torch.float32)
 
 
-@needs_interpreter
+@needs_triton_here
 def test_oversized_rows_are_refused_with_a_user_error():
     x = torch.randn(1, 65537)
     with pytest.raises(UserError, match="65536"):
         layer_norm(x, torch.ones(65537), torch.zeros(65537), backend="triton")
 
 
-@needs_interpreter
+@needs_triton_here
 def test_compiled_graph_keeps_the_triton_ops_opaque():
     """torch.compile traces through our autograd.Functions and sees the launchers as custom ops
     (megatron_fusions::*), so the fake kernels must describe the outputs; aot_eager needs no C++ compiler."""
@@ -282,10 +333,62 @@ def test_compiled_graph_keeps_the_triton_ops_opaque():
                  torch.autograd.grad(eager_out.sum(), x)[0], torch.float32)
 
 
+def launch_key(launch):
+    """What a compile depends on: kernel, constexprs, num_warps, and each argument's dtype/shape or value."""
+    args = tuple(("tensor", a.dtype, tuple(a.shape)) if isinstance(a, torch.Tensor) else (type(a).__name__, a)
+                 for a in launch.args)
+    return launch.name, tuple(launch.grid), tuple(sorted(launch.constexprs.items())), launch.num_warps, args
+
+
+AOT_SHAPES = {"batch": 2, "seq": 37, "hidden": 200, "heads": 3, "vocab": 1000}
+
+
+@needs_triton_here
+@pytest.mark.parametrize("fusion", ["layer_norm", "bias_gelu", "bias_dropout_add", "softmax", "cross_entropy"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_aot_compiles_the_launches_the_ops_make(fusion, dtype, monkeypatch):
+    """megatron_core.fusions.aot records the launches from the launchers on meta tensors; the ops, called
+    forward and backward through the public API, must launch exactly those kernels with those arguments."""
+    from megatron_core.fusions import aot
+    from megatron_core.fusions.triton_kernels import _common
+
+    shapes = aot.Shapes("test", **AOT_SHAPES)
+    made = []
+
+    real_run = _common.run
+    monkeypatch.setattr(_common, "run", lambda launch: (made.append(launch_key(launch)), real_run(launch)))
+    rows, hidden = shapes.tokens, shapes.hidden
+    if fusion == "layer_norm":
+        out = layer_norm(leaf(torch.randn(rows, hidden), dtype), leaf(torch.randn(hidden), dtype),
+                         leaf(torch.randn(hidden), dtype), eps=1e-5, backend="triton")
+    elif fusion == "bias_gelu":
+        out = bias_gelu(leaf(torch.randn(rows, 4 * hidden), dtype), leaf(torch.randn(4 * hidden), dtype),
+                        backend="triton")
+    elif fusion == "bias_dropout_add":
+        out = bias_dropout_add(leaf(torch.randn(rows, hidden), dtype), leaf(torch.randn(hidden), dtype),
+                               leaf(torch.randn(rows, hidden), dtype), 0.1, True, generator_seed=5, backend="triton")
+    elif fusion == "softmax":
+        out = scaled_causal_softmax(leaf(torch.randn(shapes.batch, shapes.heads, shapes.seq, shapes.seq), dtype),
+                                    0.125, backend="triton")
+    else:
+        out = cross_entropy(leaf(torch.randn(rows, shapes.vocab), dtype), torch.randint(0, shapes.vocab, (rows,)),
+                            backend="triton")
+    out.float().sum().backward()
+    recorded = {launch_key(launch) for _, launch in
+                aot.recorded_launches(fusion, shapes, dtype, _common.sm_count(DEVICE))}
+    assert made and set(made) <= recorded, f"launched but not compiled ahead of time: {set(made) - recorded}"
+    if fusion != "bias_dropout_add":  # the AOT also compiles the no-dropout forward and the keep-mask kernel
+        assert set(made) == recorded, f"compiled ahead of time but never launched: {recorded - set(made)}"
+
+
 def test_triton_cases_in_a_fresh_process():
-    if INTERPRETER_PROBLEM is None:
+    if COMPILED:
+        pytest.skip("compiled mode: this process runs the cases on the GPU itself")
+    if TRITON_PROBLEM is None:
         pytest.skip("this process runs the interpreter cases itself")
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
         env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+    assert "fusion kernel tests: interpreter mode" in result.stdout, result.stdout[-3000:]
+    print(result.stdout.strip().splitlines()[-1])

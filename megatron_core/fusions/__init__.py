@@ -4,6 +4,8 @@
 Resolve once at start-up with `resolve_backends(recipe.training.fusions, overrides, device)`, log
 `FusionBackends.describe()`, and pass the chosen names to the calls (e.g. `backend=backends.layer_norm`).
 Importing this package does not import triton; the kernels load on first use.
+`python -m megatron_core.fusions.aot --arch sm_80,sm_90 --json` compiles every Triton kernel for those GPUs on
+any machine (no GPU needed) and reports registers and spills.
 """
 
 from megatron_core.fusions.apex import apex_status, fused_adam_class

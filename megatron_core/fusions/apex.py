@@ -45,13 +45,13 @@ def fused_adam_class():
     status = apex_status()
     if not (status["apex.optimizers.FusedAdam"] and status["amp_C"]):
         return None
-    from apex.optimizers import FusedAdam
+    from apex.optimizers import FusedAdam  # lazy: Apex is optional (probed above)
 
     return FusedAdam
 
 
 def apex_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
     """Apex's fused LayerNorm over the last dimension (FusedLayerNormAffineFunction, with its own backward)."""
-    from apex.normalization.fused_layer_norm import fused_layer_norm_affine
+    from apex.normalization.fused_layer_norm import fused_layer_norm_affine  # lazy: Apex is optional
 
     return fused_layer_norm_affine(x, weight, bias, (x.shape[-1],), eps)

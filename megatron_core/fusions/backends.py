@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_core.errors import UserError
+from megatron_core.fusions.apex import apex_status
 
 FUSION_NAMES = ("layer_norm", "bias_gelu", "bias_dropout_add", "softmax", "cross_entropy")
 BACKEND_NAMES = ("triton", "apex", "torch")
@@ -49,6 +50,7 @@ def _triton_interpreter_problem() -> str | None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         return ("Triton runs on a CPU only under its interpreter; set TRITON_INTERPRET=1 in the environment "
                 "before Python starts, or use backend 'torch'")
+    # Lazy: triton is optional, and importing it here (only once the variable is set) cannot fix the mode.
     import triton.language as tl
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -66,7 +68,11 @@ def triton_problem(device) -> str | None:
     problem = _triton_import_problem()
     if problem is None:
         if kind == "cuda":
-            problem = None if torch.cuda.is_available() else "no CUDA device is available to this process"
+            if not torch.cuda.is_available():
+                problem = "no CUDA device is available to this process"
+            elif os.environ.get("TRITON_INTERPRET") == "1":
+                problem = ("TRITON_INTERPRET=1 is set, so the kernels would run in Triton's interpreter on host copies "
+                           "of the CUDA tensors, not compiled for the GPU; unset it")
         elif kind == "cpu":
             problem = _triton_interpreter_problem()
         else:
@@ -78,8 +84,6 @@ def triton_problem(device) -> str | None:
 
 def apex_problem(device) -> str | None:
     """Why Apex's fused LayerNorm cannot run on `device`, or None when it can."""
-    from megatron_core.fusions.apex import apex_status
-
     if _device_type(device) != "cuda":
         return "Apex kernels need a CUDA device"
     status = apex_status()

@@ -38,6 +38,7 @@ def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch
         raise UserError(f"bias_dropout_add bias {tuple(bias.shape)} must be [{x.shape[-1]}] or None")
     chosen = choose_backend("bias_dropout_add", backend, x.device)
     if chosen == "triton":
+        # Lazy: the kernel module imports triton (optional; its import fixes TRITON_INTERPRET for the process).
         from megatron_core.fusions.triton_kernels.bias_dropout_add import bias_dropout_add as triton_bda
 
         return triton_bda(x, bias, residual, float(p), training, generator_seed)

@@ -21,6 +21,7 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor, backend: str = "auto") -> tor
                         f"{tuple(x.shape)}), got {None if bias is None else tuple(bias.shape)}")
     chosen = choose_backend("bias_gelu", backend, x.device)
     if chosen == "triton":
+        # Lazy: the kernel module imports triton (optional; its import fixes TRITON_INTERPRET for the process).
         from megatron_core.fusions.triton_kernels.bias_gelu import bias_gelu as triton_bias_gelu
 
         return triton_bias_gelu(x, bias)

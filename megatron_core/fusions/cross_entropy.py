@@ -9,30 +9,10 @@ global vocab ids; mask tokens out with a loss mask afterwards (there is no ignor
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from megatron_core.errors import UserError
+from megatron_core.fusions._collectives import all_reduce_max, all_reduce_sum
 from megatron_core.fusions.backends import choose_backend
-
-
-def _group_size(group) -> int:
-    if group is None or not dist.is_available() or not dist.is_initialized():
-        return 1
-    return dist.get_world_size(group)
-
-
-def all_reduce_max(tensor: torch.Tensor, group) -> torch.Tensor:
-    """In-place MAX all-reduce over `group` (no-op for a single process); returns `tensor`."""
-    if _group_size(group) > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-    return tensor
-
-
-def all_reduce_sum(tensor: torch.Tensor, group) -> torch.Tensor:
-    """In-place SUM all-reduce over `group` (no-op for a single process); returns `tensor`."""
-    if _group_size(group) > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-    return tensor
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -93,6 +73,7 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, group=None, voc
         raise UserError(f"vocab_start_index {vocab_start_index} is negative; it is this rank's first vocab id")
     chosen = choose_backend("cross_entropy", backend, logits.device)
     if chosen == "triton":
+        # Lazy: the kernel module imports triton (optional; its import fixes TRITON_INTERPRET for the process).
         from megatron_core.fusions.triton_kernels.cross_entropy import cross_entropy as triton_cross_entropy
 
         return triton_cross_entropy(logits, labels, group, vocab_start_index)

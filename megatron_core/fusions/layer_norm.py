@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_core.errors import UserError
+from megatron_core.fusions.apex import apex_layer_norm
 from megatron_core.fusions.backends import choose_backend
 
 
@@ -25,11 +26,10 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
                         f"[{x.shape[-1]}], the last dimension of x {tuple(x.shape)}")
     chosen = choose_backend("layer_norm", backend, x.device)
     if chosen == "triton":
+        # Lazy: the kernel module imports triton (optional; its import fixes TRITON_INTERPRET for the process).
         from megatron_core.fusions.triton_kernels.layer_norm import layer_norm as triton_layer_norm
 
         return triton_layer_norm(x, weight, bias, eps)
     if chosen == "apex":
-        from megatron_core.fusions.apex import apex_layer_norm
-
         return apex_layer_norm(x, weight, bias, eps)
     return layer_norm_reference(x, weight, bias, eps)

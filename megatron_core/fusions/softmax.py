@@ -27,6 +27,7 @@ def scaled_causal_softmax(scores: torch.Tensor, scale: float, backend: str = "au
                         f"got {tuple(scores.shape)}")
     chosen = choose_backend("softmax", backend, scores.device)
     if chosen == "triton":
+        # Lazy: the kernel module imports triton (optional; its import fixes TRITON_INTERPRET for the process).
         from megatron_core.fusions.triton_kernels.softmax import scaled_causal_softmax as triton_softmax
 
         return triton_softmax(scores, scale)

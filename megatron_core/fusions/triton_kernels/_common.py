@@ -1,9 +1,20 @@
-"""Helpers shared by the Triton launchers: output allocation, dtype checks, launch sizes."""
+"""Helpers shared by the Triton launchers: output allocation, dtype checks, launch sizes, and the `Launch`
+record each launcher builds.
+
+Every launcher is split in two: `_<op>(..., launch)` allocates the outputs, works out the grid, the block
+sizes and num_warps from the shapes, and hands one `Launch` per kernel to `launch`; the torch custom op
+calls it with `run` (launch now), and megatron_core.fusions.aot calls it with meta tensors and a recorder,
+then compiles each recorded kernel for a GPU from exactly those arguments. So the ahead-of-time compile and
+the run-time launch share one signature and one choice of block sizes and cannot drift apart."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
 import torch
 import triton
+import triton.language as tl
 
 from megatron_core.errors import UserError
 
@@ -39,6 +50,35 @@ def rows_per_block(block_n: int) -> int:
 def warps_for(block: int) -> int:
     """Enough warps that each thread holds a handful of elements of a row."""
     return min(max(block // 256, 1), 16)
+
+
+@triton.jit
+def bias_columns(start, hidden, BLOCK: tl.constexpr):
+    """Column (bias index) of flat elements start .. start + BLOCK - 1 of a [rows, hidden] tensor: one int64
+    remainder per program, then int32 ones per element. (An int64 `offsets % hidden` per element compiles
+    to calls of a 64-bit division routine, which made ptxas spill registers on sm_80.)"""
+    return ((start % hidden).to(tl.int32) + tl.arange(0, BLOCK)) % hidden
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One launch of a @triton.jit kernel: positional arguments in the kernel's order (tensors and scalars),
+    the constexpr keyword arguments, and the launch options."""
+
+    kernel: Any  # triton.JITFunction (or the interpreter's InterpretedFunction)
+    grid: tuple
+    args: tuple
+    constexprs: dict = field(default_factory=dict)
+    num_warps: int = 4
+
+    @property
+    def name(self) -> str:
+        return self.kernel.fn.__name__
+
+
+def run(launch: Launch) -> None:
+    """Launch it now (on the tensors' device, or under the interpreter)."""
+    launch.kernel[launch.grid](*launch.args, **launch.constexprs, num_warps=launch.num_warps)
 
 
 def sm_count(device: torch.device) -> int:

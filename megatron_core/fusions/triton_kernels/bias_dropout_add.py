@@ -12,6 +12,7 @@ import triton.language as tl
 from megatron_core.fusions.triton_kernels import _common
 
 ELEMENTWISE_BLOCK = 4096
+ELEMENTWISE_WARPS = _common.warps_for(ELEMENTWISE_BLOCK)  # 16: 8 elements per thread (4 warps spilled)
 _INT32_LIMIT = 2**31 - 1
 
 
@@ -28,11 +29,12 @@ def _kept(seed_ptr, offsets, p, WIDE_OFFSETS: tl.constexpr):
 @triton.jit
 def _bias_dropout_add_fwd_kernel(X, B, R, Y, Seed, numel, hidden, p, scale, HAS_BIAS: tl.constexpr,
                                  DROPOUT: tl.constexpr, WIDE_OFFSETS: tl.constexpr, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offsets = start + tl.arange(0, BLOCK)
     live = offsets < numel
     z = tl.load(X + offsets, mask=live, other=0.0).to(tl.float32)
     if HAS_BIAS:
-        z += tl.load(B + offsets % hidden, mask=live, other=0.0).to(tl.float32)
+        z += tl.load(B + _common.bias_columns(start, hidden, BLOCK), mask=live, other=0.0).to(tl.float32)
     if DROPOUT:
         z = tl.where(_kept(Seed, offsets, p, WIDE_OFFSETS), z * scale, 0.0)
     y = tl.load(R + offsets, mask=live, other=0.0).to(tl.float32) + z
@@ -63,17 +65,23 @@ def _scale(p: float) -> float:
     return 0.0 if p >= 1.0 else 1.0 / (1.0 - p)
 
 
+def _bias_dropout_add_fwd(x, bias, residual, seed, p: float, dropout: bool, launch) -> torch.Tensor:
+    y = _common.new_output(x.shape, x.dtype, x.device)
+    numel = x.numel()
+    if numel:
+        launch(_common.Launch(
+            _bias_dropout_add_fwd_kernel, _grid(numel),
+            (x, bias if bias is not None else x, residual, y, seed, numel, x.shape[-1], p, _scale(p)),
+            dict(HAS_BIAS=bias is not None, DROPOUT=dropout, WIDE_OFFSETS=numel > _INT32_LIMIT,
+                 BLOCK=ELEMENTWISE_BLOCK), ELEMENTWISE_WARPS))
+    return y
+
+
 @torch.library.custom_op("megatron_fusions::bias_dropout_add_fwd", mutates_args=())
 def bias_dropout_add_fwd(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, seed: torch.Tensor,
                          p: float, dropout: bool) -> torch.Tensor:
     """x, residual: contiguous [rows, hidden]; bias: [hidden] or None; seed: int64 [1] on x's device."""
-    y = _common.new_output(x.shape, x.dtype, x.device)
-    numel = x.numel()
-    if numel:
-        _bias_dropout_add_fwd_kernel[_grid(numel)](
-            x, bias if bias is not None else x, residual, y, seed, numel, x.shape[-1], p, _scale(p),
-            HAS_BIAS=bias is not None, DROPOUT=dropout, WIDE_OFFSETS=numel > _INT32_LIMIT, BLOCK=ELEMENTWISE_BLOCK)
-    return y
+    return _bias_dropout_add_fwd(x, bias, residual, seed, p, dropout, _common.run)
 
 
 @bias_dropout_add_fwd.register_fake
@@ -81,15 +89,19 @@ def _(x, bias, residual, seed, p, dropout):
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("megatron_fusions::dropout_bwd", mutates_args=())
-def dropout_bwd(dy: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
-    """Gradient through the dropout: dy * mask / (1 - p), the mask regenerated from `seed`."""
+def _dropout_bwd(dy, seed, p: float, launch) -> torch.Tensor:
     dx = _common.new_output(dy.shape, dy.dtype, dy.device)
     numel = dy.numel()
     if numel:
-        _dropout_bwd_kernel[_grid(numel)](dy, dx, seed, numel, p, _scale(p), WIDE_OFFSETS=numel > _INT32_LIMIT,
-                                          BLOCK=ELEMENTWISE_BLOCK)
+        launch(_common.Launch(_dropout_bwd_kernel, _grid(numel), (dy, dx, seed, numel, p, _scale(p)),
+                              dict(WIDE_OFFSETS=numel > _INT32_LIMIT, BLOCK=ELEMENTWISE_BLOCK), ELEMENTWISE_WARPS))
     return dx
+
+
+@torch.library.custom_op("megatron_fusions::dropout_bwd", mutates_args=())
+def dropout_bwd(dy: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
+    """Gradient through the dropout: dy * mask / (1 - p), the mask regenerated from `seed`."""
+    return _dropout_bwd(dy, seed, p, _common.run)
 
 
 @dropout_bwd.register_fake
@@ -97,16 +109,20 @@ def _(dy, seed, p):
     return torch.empty_like(dy)
 
 
-def keep_mask(shape, p: float, seed: torch.Tensor) -> torch.Tensor:
-    """The boolean keep-mask the kernels use for `seed` (for tests and debugging)."""
+def _keep_mask(shape, p: float, seed: torch.Tensor, launch) -> torch.Tensor:
     numel = 1
     for size in shape:
         numel *= size
     mask = _common.new_output((numel,), torch.int8, seed.device)
     if numel:
-        _keep_mask_kernel[_grid(numel)](mask, seed, numel, p, WIDE_OFFSETS=numel > _INT32_LIMIT,
-                                        BLOCK=ELEMENTWISE_BLOCK)
+        launch(_common.Launch(_keep_mask_kernel, _grid(numel), (mask, seed, numel, p),
+                              dict(WIDE_OFFSETS=numel > _INT32_LIMIT, BLOCK=ELEMENTWISE_BLOCK), ELEMENTWISE_WARPS))
     return mask.view(shape).bool()
+
+
+def keep_mask(shape, p: float, seed: torch.Tensor) -> torch.Tensor:
+    """The boolean keep-mask the kernels use for `seed` (for tests and debugging)."""
+    return _keep_mask(shape, p, seed, _common.run)
 
 
 def seed_tensor(generator_seed: int | None, device: torch.device) -> torch.Tensor:

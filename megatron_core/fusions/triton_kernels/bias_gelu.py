@@ -12,6 +12,7 @@ import triton.language as tl
 from megatron_core.fusions.triton_kernels import _common
 
 ELEMENTWISE_BLOCK = 4096
+ELEMENTWISE_WARPS = _common.warps_for(ELEMENTWISE_BLOCK)  # 16: 8 elements per thread (4 warps spilled)
 _SQRT_2_OVER_PI = 0.7978845608028654
 _GELU_CUBIC = 0.044715
 
@@ -26,20 +27,22 @@ def _tanh(u):
 
 @triton.jit
 def _bias_gelu_fwd_kernel(X, B, Y, numel, hidden, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offsets = start + tl.arange(0, BLOCK)
     live = offsets < numel
     z = tl.load(X + offsets, mask=live, other=0.0).to(tl.float32)
-    z += tl.load(B + offsets % hidden, mask=live, other=0.0).to(tl.float32)
+    z += tl.load(B + _common.bias_columns(start, hidden, BLOCK), mask=live, other=0.0).to(tl.float32)
     t = _tanh(0.7978845608028654 * (z + 0.044715 * z * z * z))
     tl.store(Y + offsets, (0.5 * z * (1.0 + t)).to(Y.dtype.element_ty), mask=live)
 
 
 @triton.jit
 def _bias_gelu_bwd_kernel(DY, X, B, DX, numel, hidden, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offsets = start + tl.arange(0, BLOCK)
     live = offsets < numel
     z = tl.load(X + offsets, mask=live, other=0.0).to(tl.float32)
-    z += tl.load(B + offsets % hidden, mask=live, other=0.0).to(tl.float32)
+    z += tl.load(B + _common.bias_columns(start, hidden, BLOCK), mask=live, other=0.0).to(tl.float32)
     dy = tl.load(DY + offsets, mask=live, other=0.0).to(tl.float32)
     t = _tanh(0.7978845608028654 * (z + 0.044715 * z * z * z))
     dt_dz = (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * z * z)
@@ -51,13 +54,18 @@ def _grid(numel: int):
     return (triton.cdiv(numel, ELEMENTWISE_BLOCK),)
 
 
+def _bias_gelu_fwd(x, bias, launch) -> torch.Tensor:
+    y = _common.new_output(x.shape, x.dtype, x.device)
+    if x.numel():
+        launch(_common.Launch(_bias_gelu_fwd_kernel, _grid(x.numel()), (x, bias, y, x.numel(), x.shape[-1]),
+                              dict(BLOCK=ELEMENTWISE_BLOCK), ELEMENTWISE_WARPS))
+    return y
+
+
 @torch.library.custom_op("megatron_fusions::bias_gelu_fwd", mutates_args=())
 def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """x: contiguous [rows, hidden]; bias: [hidden]."""
-    y = _common.new_output(x.shape, x.dtype, x.device)
-    if x.numel():
-        _bias_gelu_fwd_kernel[_grid(x.numel())](x, bias, y, x.numel(), x.shape[-1], BLOCK=ELEMENTWISE_BLOCK)
-    return y
+    return _bias_gelu_fwd(x, bias, _common.run)
 
 
 @bias_gelu_fwd.register_fake
@@ -65,14 +73,19 @@ def _(x, bias):
     return torch.empty_like(x)
 
 
+def _bias_gelu_bwd(dy, x, bias, launch) -> tuple[torch.Tensor, torch.Tensor]:
+    dx = _common.new_output(x.shape, x.dtype, x.device)
+    if x.numel():
+        launch(_common.Launch(_bias_gelu_bwd_kernel, _grid(x.numel()), (dy, x, bias, dx, x.numel(), x.shape[-1]),
+                              dict(BLOCK=ELEMENTWISE_BLOCK), ELEMENTWISE_WARPS))
+    dbias = torch.sum(dx, dim=0, dtype=torch.float32).to(bias.dtype)
+    return dx, dbias
+
+
 @torch.library.custom_op("megatron_fusions::bias_gelu_bwd", mutates_args=())
 def bias_gelu_bwd(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns dx (x's dtype) and dbias (bias's dtype; summed over rows in fp32)."""
-    dx = _common.new_output(x.shape, x.dtype, x.device)
-    if x.numel():
-        _bias_gelu_bwd_kernel[_grid(x.numel())](dy, x, bias, dx, x.numel(), x.shape[-1], BLOCK=ELEMENTWISE_BLOCK)
-    dbias = torch.sum(dx, dim=0, dtype=torch.float32).to(bias.dtype)
-    return dx, dbias
+    return _bias_gelu_bwd(dy, x, bias, _common.run)
 
 
 @bias_gelu_bwd.register_fake

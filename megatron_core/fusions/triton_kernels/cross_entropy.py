@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_core.fusions._collectives import all_reduce_max, all_reduce_sum
 from megatron_core.fusions.triton_kernels import _common
 
 VOCAB_BLOCK = 4096
@@ -58,20 +59,36 @@ def _vocab_block(n_cols: int) -> int:
     return min(VOCAB_BLOCK, triton.next_power_of_2(max(n_cols, 1)))
 
 
-@torch.library.custom_op("megatron_fusions::cross_entropy_fwd", mutates_args=())
-def cross_entropy_fwd(logits: torch.Tensor, labels: torch.Tensor,
-                      vocab_start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """logits: contiguous [rows, V_local]; labels: int64 [rows]. Returns the local row max, the local
-    sum of exp(logit - local max) and the target logit (0 outside this shard), all fp32 [rows]."""
+def _cross_entropy_fwd(logits, labels, vocab_start: int, launch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rows, n_cols = logits.shape
     row_max = _common.new_output((rows,), torch.float32, logits.device)
     row_sum_exp = _common.new_output((rows,), torch.float32, logits.device)
     target = _common.new_output((rows,), torch.float32, logits.device)
     if rows:
         block = _vocab_block(n_cols)
-        _cross_entropy_fwd_kernel[(rows,)](logits, labels, row_max, row_sum_exp, target, n_cols, vocab_start,
-                                           BLOCK_V=block, num_warps=_common.warps_for(block))
+        launch(_common.Launch(_cross_entropy_fwd_kernel, (rows,),
+                              (logits, labels, row_max, row_sum_exp, target, n_cols, vocab_start),
+                              dict(BLOCK_V=block), _common.warps_for(block)))
     return row_max, row_sum_exp, target
+
+
+def _cross_entropy_bwd(logits, labels, log_sum_exp, dloss, vocab_start: int, launch) -> torch.Tensor:
+    rows, n_cols = logits.shape
+    dlogits = _common.new_output((rows, n_cols), logits.dtype, logits.device)
+    if rows:
+        block = _vocab_block(n_cols)
+        launch(_common.Launch(_cross_entropy_bwd_kernel, (rows,),
+                              (logits, labels, log_sum_exp, dloss, dlogits, n_cols, vocab_start),
+                              dict(BLOCK_V=block), _common.warps_for(block)))
+    return dlogits
+
+
+@torch.library.custom_op("megatron_fusions::cross_entropy_fwd", mutates_args=())
+def cross_entropy_fwd(logits: torch.Tensor, labels: torch.Tensor,
+                      vocab_start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits: contiguous [rows, V_local]; labels: int64 [rows]. Returns the local row max, the local
+    sum of exp(logit - local max) and the target logit (0 outside this shard), all fp32 [rows]."""
+    return _cross_entropy_fwd(logits, labels, vocab_start, _common.run)
 
 
 @cross_entropy_fwd.register_fake
@@ -84,13 +101,7 @@ def _(logits, labels, vocab_start):
 def cross_entropy_bwd(logits: torch.Tensor, labels: torch.Tensor, log_sum_exp: torch.Tensor, dloss: torch.Tensor,
                       vocab_start: int) -> torch.Tensor:
     """d loss / d logits = (softmax - onehot) * dloss, in the logits' dtype."""
-    rows, n_cols = logits.shape
-    dlogits = _common.new_output((rows, n_cols), logits.dtype, logits.device)
-    if rows:
-        block = _vocab_block(n_cols)
-        _cross_entropy_bwd_kernel[(rows,)](logits, labels, log_sum_exp, dloss, dlogits, n_cols, vocab_start,
-                                           BLOCK_V=block, num_warps=_common.warps_for(block))
-    return dlogits
+    return _cross_entropy_bwd(logits, labels, log_sum_exp, dloss, vocab_start, _common.run)
 
 
 @cross_entropy_bwd.register_fake
@@ -101,8 +112,6 @@ def _(logits, labels, log_sum_exp, dloss, vocab_start):
 class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, group, vocab_start):
-        from megatron_core.fusions.cross_entropy import all_reduce_max, all_reduce_sum
-
         logits2d = logits.reshape(-1, logits.shape[-1]).contiguous()
         labels1d = labels.reshape(-1).to(torch.int64).contiguous()
         local_max, sum_exp, target = cross_entropy_fwd(logits2d, labels1d, vocab_start)

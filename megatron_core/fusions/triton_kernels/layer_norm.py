@@ -60,10 +60,7 @@ def _layer_norm_bwd_kernel(DY, X, W, Mean, Rstd, DX, DW_partial, DB_partial, n_r
     tl.store(DB_partial + group * n_cols + cols, db, mask=cols < n_cols)
 
 
-@torch.library.custom_op("megatron_fusions::layer_norm_fwd", mutates_args=())
-def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                   eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x: contiguous [rows, n]. Returns y [rows, n] (x's dtype), mean and rstd [rows] (fp32)."""
+def _layer_norm_fwd(x, weight, bias, eps: float, launch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rows, n_cols = x.shape
     block = _common.row_block(n_cols, "layer_norm hidden size")
     y = _common.new_output((rows, n_cols), x.dtype, x.device)
@@ -71,10 +68,17 @@ def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     rstd = _common.new_output((rows,), torch.float32, x.device)
     block_m = _common.rows_per_block(block)
     if rows:
-        _layer_norm_fwd_kernel[(triton.cdiv(rows, block_m),)](x, weight, bias, y, mean, rstd, rows, n_cols, eps,
-                                                              BLOCK_M=block_m, BLOCK_N=block,
-                                                              num_warps=_common.warps_for(block_m * block))
+        launch(_common.Launch(_layer_norm_fwd_kernel, (triton.cdiv(rows, block_m),),
+                              (x, weight, bias, y, mean, rstd, rows, n_cols, eps),
+                              dict(BLOCK_M=block_m, BLOCK_N=block), _common.warps_for(block_m * block)))
     return y, mean, rstd
+
+
+@torch.library.custom_op("megatron_fusions::layer_norm_fwd", mutates_args=())
+def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x: contiguous [rows, n]. Returns y [rows, n] (x's dtype), mean and rstd [rows] (fp32)."""
+    return _layer_norm_fwd(x, weight, bias, eps, _common.run)
 
 
 @layer_norm_fwd.register_fake
@@ -83,28 +87,34 @@ def _(x, weight, bias, eps):
     return torch.empty_like(x), x.new_empty((rows,), dtype=torch.float32), x.new_empty((rows,), dtype=torch.float32)
 
 
-@torch.library.custom_op("megatron_fusions::layer_norm_bwd", mutates_args=())
-def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor,
-                   rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns dx (x's dtype), dweight and dbias (weight's dtype)."""
+def _layer_norm_bwd(dy, x, weight, mean, rstd, launch, sm_count: int):
+    """`sm_count`: the device's multiprocessors; the rows are split into about 4 groups per SM."""
     rows, n_cols = x.shape
     block = _common.row_block(n_cols, "layer_norm hidden size")
     block_m = _common.rows_per_block(block)
     row_blocks = triton.cdiv(rows, block_m)
-    groups = max(1, min(row_blocks, 4 * _common.sm_count(x.device)))
+    groups = max(1, min(row_blocks, 4 * sm_count))
     blocks_per_program = max(1, triton.cdiv(row_blocks, groups))
     groups = max(1, triton.cdiv(row_blocks, blocks_per_program))
     dx = _common.new_output((rows, n_cols), x.dtype, x.device)
     dw_partial = _common.new_output((groups, n_cols), torch.float32, x.device)
     db_partial = _common.new_output((groups, n_cols), torch.float32, x.device)
     if rows:
-        _layer_norm_bwd_kernel[(groups,)](dy, x, weight, mean, rstd, dx, dw_partial, db_partial, rows, n_cols,
-                                          blocks_per_program, BLOCK_M=block_m, BLOCK_N=block,
-                                          num_warps=_common.warps_for(block_m * block))
+        launch(_common.Launch(_layer_norm_bwd_kernel, (groups,),
+                              (dy, x, weight, mean, rstd, dx, dw_partial, db_partial, rows, n_cols,
+                               blocks_per_program),
+                              dict(BLOCK_M=block_m, BLOCK_N=block), _common.warps_for(block_m * block)))
     else:
         dw_partial.zero_()
         db_partial.zero_()
     return dx, dw_partial.sum(0).to(weight.dtype), db_partial.sum(0).to(weight.dtype)
+
+
+@torch.library.custom_op("megatron_fusions::layer_norm_bwd", mutates_args=())
+def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor,
+                   rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns dx (x's dtype), dweight and dbias (weight's dtype)."""
+    return _layer_norm_bwd(dy, x, weight, mean, rstd, _common.run, _common.sm_count(x.device))
 
 
 @layer_norm_bwd.register_fake

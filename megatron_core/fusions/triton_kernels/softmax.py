@@ -44,22 +44,33 @@ def _causal_softmax_bwd_kernel(DY, Y, DS, n_rows, sq, sk, scale, BLOCK_M: tl.con
     tl.store(DS + offsets, ds.to(DS.dtype.element_ty), mask=in_tensor)
 
 
-def _launch(kernel, tensors, sq, sk, scale):
+def _launch_rows(kernel, tensors, sq, sk, scale, launch):
     """Launch `kernel` over the rows of `tensors` (the pointer arguments, all shaped [..., sq, sk])."""
     rows = tensors[0].numel() // sk if sk else 0
     block = _common.row_block(sk, "softmax key length")
     block_m = _common.rows_per_block(block)
     if rows:
-        kernel[(triton.cdiv(rows, block_m),)](*tensors, rows, sq, sk, scale, BLOCK_M=block_m, BLOCK_N=block,
-                                              num_warps=_common.warps_for(block_m * block))
+        launch(_common.Launch(kernel, (triton.cdiv(rows, block_m),), (*tensors, rows, sq, sk, scale),
+                              dict(BLOCK_M=block_m, BLOCK_N=block), _common.warps_for(block_m * block)))
+
+
+def _causal_softmax_fwd(scores, scale: float, launch) -> torch.Tensor:
+    probs = _common.new_output(scores.shape, scores.dtype, scores.device)
+    _launch_rows(_causal_softmax_fwd_kernel, (scores, probs), scores.shape[-2], scores.shape[-1], scale, launch)
+    return probs
+
+
+def _causal_softmax_bwd(dprobs, probs, scale: float, launch) -> torch.Tensor:
+    dscores = _common.new_output(probs.shape, probs.dtype, probs.device)
+    _launch_rows(_causal_softmax_bwd_kernel, (dprobs, probs, dscores), probs.shape[-2], probs.shape[-1], scale,
+                 launch)
+    return dscores
 
 
 @torch.library.custom_op("megatron_fusions::causal_softmax_fwd", mutates_args=())
 def causal_softmax_fwd(scores: torch.Tensor, scale: float) -> torch.Tensor:
     """scores: contiguous [..., sq, sk] with sq == sk."""
-    probs = _common.new_output(scores.shape, scores.dtype, scores.device)
-    _launch(_causal_softmax_fwd_kernel, (scores, probs), scores.shape[-2], scores.shape[-1], scale)
-    return probs
+    return _causal_softmax_fwd(scores, scale, _common.run)
 
 
 @causal_softmax_fwd.register_fake
@@ -69,9 +80,7 @@ def _(scores, scale):
 
 @torch.library.custom_op("megatron_fusions::causal_softmax_bwd", mutates_args=())
 def causal_softmax_bwd(dprobs: torch.Tensor, probs: torch.Tensor, scale: float) -> torch.Tensor:
-    dscores = _common.new_output(probs.shape, probs.dtype, probs.device)
-    _launch(_causal_softmax_bwd_kernel, (dprobs, probs, dscores), probs.shape[-2], probs.shape[-1], scale)
-    return dscores
+    return _causal_softmax_bwd(dprobs, probs, scale, _common.run)
 
 
 @causal_softmax_bwd.register_fake
