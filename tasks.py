@@ -79,7 +79,8 @@ def recipes(c, show=None):
 
         print(yaml.safe_dump(config.load_recipe(show).to_dict(), sort_keys=False))
         return
-    rows = [("name", "version", "family", "GPUs", "parameters", "tokens", "hash")]
+    rows = [("name", "version", "family", "GPUs", "parameters", "tokens", "hash", "pinned")]
+    unpinned = {}
     for path in config.list_recipe_files():
         r = config.load_recipe(str(path))
         world = r.parallel.world_size
@@ -93,11 +94,17 @@ def recipes(c, show=None):
                 _human(r.num_parameters()),
                 _human(r.tokens_to_train()),
                 r.hash,
+                "no" if r.unpinned_revisions() else "yes",
             )
         )
+        if r.unpinned_revisions():
+            unpinned[r.name] = r.unpinned_revisions()
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    for name, revisions in unpinned.items():
+        print(f"unpinned: {name}: {', '.join(revisions)} (a branch or tag can move; the run records the commit "
+              "it resolved in its corpus/tokenizer manifest)")
 
 
 @recipe_task(help={"force": "rebuild even if up to date"})

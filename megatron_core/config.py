@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import os
+import platform
 import types
 import typing
 from dataclasses import dataclass, field
@@ -254,11 +255,23 @@ class Recipe:
     def hash(self) -> str:
         return canonical_hash(self.to_dict())
 
+    def unpinned_revisions(self) -> list[str]:
+        """The Hub revisions this recipe names that can move: anything but a full commit sha (a branch
+        such as `main`, or a tag). Their run records the commit it resolved (provenance)."""
+        named = [(f"corpus.sources[{i}].revision", source.get("revision"))
+                 for i, source in enumerate(self.corpus.sources) if source.get("type") == "hf-dataset"]
+        if self.tokenizer.hf_tokenizer is not None:
+            named.append(("tokenizer.hf_tokenizer_revision", self.tokenizer.hf_tokenizer_revision))
+        return [f"{key}={value}" for key, value in named if not _is_commit_sha(value)]
+
     def stage_hash(self, stage: str) -> str:
         """Hash of exactly what a pipeline stage's output depends on (so a change of lr does not
-        redo the corpus, and a change of the corpus redoes everything downstream)."""
+        redo the corpus, and a change of the corpus redoes everything downstream). A corpus read from
+        the running Python's standard library is keyed by that Python's version too."""
         d = self.to_dict()
         parts = {"corpus": {"corpus": d["corpus"]}}
+        if any(source.get("type") == "python-stdlib" for source in self.corpus.sources):
+            parts["corpus"]["python"] = platform.python_version()
         # a trained tokenizer learns from the texts under data.json_keys
         parts["tokenizer"] = {**parts["corpus"], "tokenizer": d["tokenizer"], "json_keys": d["data"]["json_keys"]}
         preprocess_keys = ("json_keys", "append_eod", "split_sentences", "keep_newlines", "dataset_impl")
@@ -269,6 +282,8 @@ class Recipe:
         # the run (training, its checkpoints, the converted model) depends on everything but how it is
         # evaluated afterwards and the prose: `--set evaluate...` finds the same run
         parts["train"] = {k: v for k, v in d.items() if k not in ("evaluate", "description", "hardware")}
+        if "python" in parts["corpus"]:
+            parts["train"]["python"] = parts["corpus"]["python"]
         if stage not in parts:
             raise ValueError(f"unknown stage {stage!r}; one of {', '.join(parts)}")
         return canonical_hash(parts[stage])
@@ -285,6 +300,10 @@ class Recipe:
             f"PP {p.pipeline_model_parallel_size}, DP {p.data_parallel_size}), micro {t.micro_batch_size}, "
             f"global {t.global_batch_size}, {t.train_iters} iters"
         )
+
+
+def _is_commit_sha(revision) -> bool:
+    return isinstance(revision, str) and len(revision) == 40 and all(c in "0123456789abcdef" for c in revision)
 
 
 def canonical_hash(obj: Any) -> str:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from megatron_core.config import Recipe
+from megatron_core.data.hub import hub_commit
 from megatron_core.errors import UserError
 
 MANIFEST = "manifest.json"
@@ -133,8 +134,8 @@ def ensure_tokenizer(recipe: Recipe, workdir, force: bool = False) -> Step:
             shutil.copyfile(t.vocab_file, vocab)
             shutil.copyfile(t.merge_file, merges)
         elif t.hf_tokenizer is not None:
-            origin = f"hf:{t.hf_tokenizer}@{t.hf_tokenizer_revision}"
-            _fetch_hub_tokenizer(t.hf_tokenizer, t.hf_tokenizer_revision, tmp)
+            commit = _fetch_hub_tokenizer(t.hf_tokenizer, t.hf_tokenizer_revision, tmp)
+            origin = f"hf:{t.hf_tokenizer}@{t.hf_tokenizer_revision} (commit {commit})"
         else:
             origin = "trained"
             tok.train_bpe_tokenizer(
@@ -169,12 +170,16 @@ def tokenizer_files(recipe: Recipe, workdir) -> tuple[Path, Path]:
     return step.directory / "vocab.json", step.directory / "merges.txt"
 
 
-def _fetch_hub_tokenizer(name: str, revision: str, out: Path) -> None:
+def _fetch_hub_tokenizer(name: str, revision: str, out: Path) -> str:
+    """Download vocab.json and merges.txt at the commit `revision` points at now; returns that commit
+    (a branch moves; the manifest records what was taken)."""
     try:
         from huggingface_hub import hf_hub_download
 
+        commit = hub_commit(name, revision, "model")
         for filename in ("vocab.json", "merges.txt"):
-            shutil.copyfile(hf_hub_download(name, filename, revision=revision), out / filename)
+            shutil.copyfile(hf_hub_download(name, filename, revision=commit), out / filename)
+        return commit
     except Exception as exc:  # noqa: BLE001 - any Hub failure means the same thing to the user
         raise UserError(
             f"cannot fetch tokenizer {name}@{revision} from the Hugging Face Hub ({type(exc).__name__}); "

@@ -86,7 +86,7 @@ def test_hub_dataset_without_internet_is_a_user_error(tmp_path, monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     source = {"type": "hf-dataset", "name": "nobody/no-such-dataset-xyz", "revision": "abc123", "split": "train"}
-    with pytest.raises(UserError, match="cannot load dataset nobody/no-such-dataset-xyz"):
+    with pytest.raises(UserError, match="cannot resolve dataset nobody/no-such-dataset-xyz"):
         build_corpus([source], tmp_path / "x.jsonl")
     with pytest.raises(UserError, match="pin a 'revision'"):
         build_corpus([{**source, "revision": None}], tmp_path / "x.jsonl")
@@ -110,3 +110,53 @@ def test_bad_sources_leave_no_file(tmp_path):
     with pytest.raises(UserError, match=r"cannot read .*plain\.jsonl\.gz: BadGzipFile"):
         build_corpus([{"type": "jsonl", "paths": [str(fake_gz)]}], tmp_path / "x.jsonl")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "latin.jsonl", "plain.jsonl.gz"]
+
+
+def test_a_moving_revision_is_unpinned_and_the_resolved_commit_is_recorded(tmp_path, monkeypatch):
+    """`main` is a branch: `invoke recipes` marks the recipe unpinned and the corpus records the commit
+    the branch pointed at. The Hub is out of reach here: its API and loader are stood in for."""
+    import datasets
+
+    from megatron_core.config import load_recipe
+
+    recipe = load_recipe("codeparrot-small-1gpu")
+    assert recipe.unpinned_revisions() == ["corpus.sources[0].revision=main", "tokenizer.hf_tokenizer_revision=main"]
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    pinned = load_recipe("codeparrot-small-1gpu", [f"tokenizer.hf_tokenizer_revision={sha}"])
+    assert pinned.unpinned_revisions() == ["corpus.sources[0].revision=main"]
+
+    class Info:
+        sha = "fedcba9876543210fedcba9876543210fedcba98"
+
+    class Api:
+        def dataset_info(self, repo_id, revision):
+            assert (repo_id, revision) == ("org/data", "main")
+            return Info()
+
+    loaded = {}
+
+    def load_dataset(name, revision, split, streaming):
+        loaded["revision"] = revision
+        return [{"content": "def f():\n    return 1\n"}]
+
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", Api)
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    summary = build_corpus([{"type": "hf-dataset", "name": "org/data", "revision": "main"}], tmp_path / "c.jsonl")
+    assert loaded["revision"] == Info.sha  # the data was read at the resolved commit, not at a moving branch
+    assert summary["resolved_revisions"] == {"org/data": Info.sha}
+
+
+def test_stdlib_corpus_records_and_is_keyed_by_the_python_version(tmp_path, monkeypatch):
+    import platform
+
+    from megatron_core.config import load_recipe
+
+    summary = build_corpus([{"type": "python-stdlib"}], tmp_path / "c.jsonl", max_documents=3)
+    assert summary["python"] == platform.python_version()
+    recipe = load_recipe("codeparrot-tiny")
+    here = {stage: recipe.stage_hash(stage) for stage in ("corpus", "tokenizer", "preprocess", "train")}
+    monkeypatch.setattr(platform, "python_version", lambda: "3.99.0")
+    for stage, value in here.items():
+        assert recipe.stage_hash(stage) != value, stage

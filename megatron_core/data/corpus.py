@@ -17,12 +17,14 @@ import glob
 import gzip
 import json
 import os
+import platform
 import random
 import sys
 import sysconfig
 from pathlib import Path
 from typing import Iterator, Optional
 
+from megatron_core.data.hub import hub_commit
 from megatron_core.errors import UserError
 
 SOURCE_TYPES = ("python-stdlib", "jsonl", "hf-dataset")
@@ -111,6 +113,8 @@ def _hf_documents(source: dict) -> Iterator[dict]:
         else:
             if not revision:
                 raise UserError(f"corpus source hf-dataset {name}: pin a 'revision' (commit sha or tag) for a reproducible corpus")
+            revision = hub_commit(name, revision, "dataset")  # what a branch or tag points at now, recorded
+            _log(f"hf-dataset {name}@{source.get('revision')} resolved to commit {revision}")
             ds = datasets.load_dataset(name, revision=revision, split=split, streaming=True)
     except UserError:
         raise
@@ -145,6 +149,7 @@ def build_corpus(sources: list, out_path, max_documents: Optional[int] = None, m
     tmp = out_path.with_name(f"{out_path.name}.tmp-{os.getpid()}")
     documents = content_bytes = 0
     per_source: dict[str, int] = {}
+    resolved: dict[str, str] = {}  # hf-dataset name -> the commit its revision resolved to
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             for doc in iter_documents(sources):
@@ -157,12 +162,17 @@ def build_corpus(sources: list, out_path, max_documents: Optional[int] = None, m
                 documents += 1
                 content_bytes += size
                 per_source[doc["source"]] = per_source.get(doc["source"], 0) + 1
+                if doc["source"] == "hf-dataset":
+                    resolved[doc["dataset"]] = doc["revision"]
         if documents == 0:
             raise UserError(f"the corpus sources {sources!r} gave no documents; check them (and max_documents/max_bytes)")
         os.replace(tmp, out_path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    summary = {"documents": documents, "content_bytes": content_bytes, "per_source": per_source, "path": str(out_path)}
+    summary = {"documents": documents, "content_bytes": content_bytes, "per_source": per_source, "path": str(out_path),
+               "resolved_revisions": resolved}
+    if any(source.get("type") == "python-stdlib" for source in sources):
+        summary["python"] = platform.python_version()  # the standard library it read is this Python's
     _log(f"{documents} documents, {content_bytes / 1e6:.1f} MB of content -> {out_path}")
     return summary
