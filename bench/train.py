@@ -172,8 +172,7 @@ def build_hf(setup: Setup, start_state: dict):
     options = {"fused": True} if device.type == "cuda" else {"foreach": True}
     optimizer = torch.optim.AdamW(param_groups(model.named_parameters(), t.weight_decay), lr=t.lr,
                                   betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, **options)
-    scheduler = OptimizerParamScheduler(optimizer, max_lr=t.lr, min_lr=t.min_lr, warmup_steps=t.lr_warmup_iters,
-                                        decay_steps=t.decay_iters, decay_style=t.lr_decay_style)  # ours, too
+    scheduler = OptimizerParamScheduler.for_training(optimizer, t)  # ours, too
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(setup.precision)
     scaler = torch.amp.GradScaler(device.type) if setup.precision == "fp16" else None
     micro_batches = recipe.num_micro_batches
@@ -201,7 +200,7 @@ def build_hf(setup: Setup, start_state: dict):
             scaler.update()
         else:
             optimizer.step()
-        scheduler.step(1)
+        scheduler.step_iteration()
         return total / micro_batches
 
     return step

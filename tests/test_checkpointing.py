@@ -89,7 +89,7 @@ def test_checkpoint_layout_keys_and_shapes(reference):
     want.update({"final_layernorm.weight": (32,), "final_layernorm.bias": (32,)})
     assert {k: tuple(v.shape) for k, v in enc.items()} == want
     assert set(state["opt_param_scheduler"]) >= {"max_lr", "min_lr", "num_steps", "lr_decay_style"}
-    assert state["opt_param_scheduler"]["num_steps"] == ITERS
+    assert state["opt_param_scheduler"]["num_steps"] == ITERS * 4  # samples, as Megatron counts (global batch 4)
     rng = state["rng_state"][0]
     assert set(rng) >= {"random_rng_state", "np_rng_state", "torch_rng_state", "cuda_rng_state", "rng_tracker_states"}
 

@@ -71,3 +71,58 @@ def test_bad_schedules_are_refused():
         OptimizerParamScheduler(opt, max_lr=1e-3, min_lr=0, warmup_steps=10, decay_steps=10, decay_style="cosine")
     with pytest.raises(UserError, match="not one of"):
         OptimizerParamScheduler(opt, max_lr=1e-3, min_lr=0, warmup_steps=0, decay_steps=10, decay_style="exp")
+
+
+def FakeOptimizer():  # noqa: N802 - reads as the thing it stands for
+    """A real optimizer whose param groups the schedulers write."""
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+
+
+def _megatron_scheduler(optimizer, training):
+    """megatron-core 0.16.1's own OptimizerParamScheduler, set up as Megatron-LM's training does for an
+    iteration-based run (steps in samples)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler as MegatronScheduler
+
+    b = training.global_batch_size
+    return MegatronScheduler(optimizer, init_lr=0.0, max_lr=training.lr, min_lr=training.min_lr,
+                             lr_warmup_steps=training.lr_warmup_iters * b, lr_decay_steps=training.decay_iters * b,
+                             lr_decay_style=training.lr_decay_style, start_wd=training.weight_decay,
+                             end_wd=training.weight_decay, wd_incr_steps=training.decay_iters * b,
+                             wd_incr_style="constant")
+
+
+def _training():
+    from megatron_core.config import load_recipe
+
+    return load_recipe("smoke", ["lr_warmup_iters=5", "train_iters=40", "lr_decay_style=cosine", "min_lr=1e-5"]).training
+
+
+def test_megatron_core_reads_our_scheduler_state_and_we_read_its():
+    t = _training()
+    ours = OptimizerParamScheduler.for_training(FakeOptimizer(), t)
+    for _ in range(13):
+        ours.step_iteration()
+    theirs = _megatron_scheduler(FakeOptimizer(), t)
+    theirs.load_state_dict(ours.state_dict())  # megatron-core checks every value against its own settings
+    assert theirs.num_steps == ours.num_steps == 13 * t.global_batch_size
+    assert theirs.get_lr(theirs.optimizer.param_groups[0]) == pytest.approx(ours.get_lr(), rel=1e-12)
+
+    megatron = _megatron_scheduler(FakeOptimizer(), t)
+    for _ in range(21):
+        megatron.step(increment=t.global_batch_size)
+    back = OptimizerParamScheduler.for_training(FakeOptimizer(), t)
+    back.load_state_dict(megatron.state_dict())
+    assert back.num_steps == megatron.num_steps
+    assert back.get_lr() == pytest.approx(megatron.get_lr(megatron.optimizer.param_groups[0]), rel=1e-12)
+    for _ in range(5):  # and both go on the same way
+        back.step_iteration()
+        megatron.step(increment=t.global_batch_size)
+        assert back.get_lr() == pytest.approx(megatron.get_lr(megatron.optimizer.param_groups[0]), rel=1e-12)
+
+
+def test_state_written_before_samples_were_counted_still_loads():
+    t = _training()
+    sched = OptimizerParamScheduler.for_training(FakeOptimizer(), t)
+    sched.load_state_dict({"max_lr": t.lr, "min_lr": t.min_lr, "lr_warmup_steps": 5, "lr_decay_steps": 40,
+                           "lr_decay_style": "cosine", "num_steps": 7})  # an iteration count
+    assert sched.num_steps == 7 * t.global_batch_size

@@ -76,9 +76,7 @@ class Trainer:
         self.logger = logger or RunLogger(self.run_dir, writer=_is_log_writer())
         self.forward_backward = forward_backward_func or get_forward_backward_func()
         t = recipe.training
-        self.scheduler = OptimizerParamScheduler(optimizer, max_lr=t.lr, min_lr=t.min_lr,
-                                                 warmup_steps=t.lr_warmup_iters, decay_steps=t.decay_iters,
-                                                 decay_style=t.lr_decay_style)
+        self.scheduler = OptimizerParamScheduler.for_training(optimizer, t)
         self.state = TrainState()
         self.num_micro_batches = recipe.num_micro_batches
         m = recipe.model
@@ -113,7 +111,7 @@ class Trainer:
         else:
             self.logger.info("checkpoint has no optimizer state (--no-save-optim): optimizer and LR restart; "
                              "the run is not an exact continuation")
-            self.scheduler.num_steps = iteration
+            self.scheduler.num_steps = int(state["consumed_train_samples"])
             self.scheduler.step(0)
         ckpt.set_rng_state(state["rng_state"][0])
         self.state.iteration = iteration
@@ -218,7 +216,7 @@ class Trainer:
                                        forward_only=False, loss_scale=self.optimizer.loss_scale)
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
-            self.scheduler.step(1)
+            self.scheduler.step_iteration()
         loss = sum(float(d["lm loss"]) for d in losses) / len(losses) if losses else float("nan")
         return _average_over_dp(loss) if losses else loss, ok, grad_norm
 
