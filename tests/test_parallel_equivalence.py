@@ -239,11 +239,40 @@ def train_entry_point(layout: Layout, run_root: str) -> Optional[dict[int, float
         ps.destroy_model_parallel()
 
 
+def first_step_grads(layout: Layout) -> dict:
+    """The gradients one forward_backward leaves (the schedule of this layout, grad sync and
+    finalize_model_grads included, before any optimizer step), under their global names."""
+    from megatron_core.pipeline_parallel import get_forward_backward_func
+    from megatron_core.training.data_iterators import batch_iterator
+    from megatron_core.training.trainer import gpt_forward_step
+
+    try:
+        recipe = make_recipe(layout)
+        model, module, _ = build(recipe)
+        iterator = batch_iterator(SyntheticTokens(), consumed_samples=0, micro_batch_size=layout.micro_batch_size,
+                                  dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
+                                  device=torch.device("cpu"))
+        losses = get_forward_backward_func()(gpt_forward_step, iterator, model, layout.num_microbatches,
+                                             seq_length=SEQ, micro_batch_size=layout.micro_batch_size)
+        summary = rank_summary(layout, module, None)
+        summary["losses"] = [float(d["lm loss"]) for d in losses]
+        tp_rank = ps.get_tensor_model_parallel_rank()
+        summary["params"] = {}
+        for name, param in module.named_parameters():
+            dim = param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
+            summary["params"].setdefault(module.global_parameter_name(name), []).append(
+                (param.grad.detach().clone(), dim, tp_rank))
+        return summary
+    finally:
+        ps.destroy_model_parallel()
+
+
 def two_and_four_rank_work(layouts: list[Layout], resume: Optional[Layout], run_root: str,
-                           entry_layouts: tuple = ()) -> dict:
+                           entry_layouts: tuple = (), grad_layouts: tuple = ()) -> dict:
     torch.set_num_threads(1)
     results = {"layouts": [train_layout(layout, run_root) for layout in layouts],
-               "entry": [train_entry_point(layout, run_root) for layout in entry_layouts]}
+               "entry": [train_entry_point(layout, run_root) for layout in entry_layouts],
+               "grads": [first_step_grads(layout) for layout in grad_layouts]}
     if resume is not None:
         results["resume"] = train_interrupted(resume, run_root, stop_at=ITERATIONS // 2)
     return results
@@ -288,6 +317,12 @@ ENTRY_LAYOUTS = (Layout("PP2", pp=2), Layout("DP2 distributed optimizer", dp=2, 
 ENTRY_XFAIL: dict[str, str] = {}  # layouts of the entry point known not to match (none)
 
 
+# Gradients after one forward_backward, compared directly (the interleaved schedule's own proof;
+# the layouts above compare losses and weights after ITERATIONS steps).
+GRAD_LAYOUTS = {2: (PP2_VPP2,), 4: (Layout("TP2xPP2 VPP2", tp=2, pp=2, vpp_layers=1),
+                                    Layout("DP2xPP2 VPP2", pp=2, dp=2, vpp_layers=1))}
+
+
 @pytest.fixture(scope="module")
 def run_root(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("parallel-proof"))
@@ -303,14 +338,16 @@ def baseline(run_root) -> dict:
 def two_rank(run_root) -> dict:
     from distributed_utils import run_distributed
 
-    return run_distributed(two_and_four_rank_work, 2, TWO_RANK_LAYOUTS, PP2_VPP2, run_root, ENTRY_LAYOUTS, timeout=300)
+    return run_distributed(two_and_four_rank_work, 2, TWO_RANK_LAYOUTS, PP2_VPP2, run_root, ENTRY_LAYOUTS,
+                           GRAD_LAYOUTS[2], timeout=300)
 
 
 @pytest.fixture(scope="module")
 def four_rank(run_root) -> dict:
     from distributed_utils import run_distributed
 
-    return run_distributed(two_and_four_rank_work, 4, FOUR_RANK_LAYOUTS, TP2_PP2, run_root, timeout=300)
+    return run_distributed(two_and_four_rank_work, 4, FOUR_RANK_LAYOUTS, TP2_PP2, run_root, (), GRAD_LAYOUTS[4],
+                           timeout=300)
 
 
 def test_baseline_learns(baseline):
@@ -396,3 +433,33 @@ def test_train_entry_point_matches_single_process(two_rank, entry_baseline, inde
     assert sorted(losses) == sorted(entry_baseline) == list(range(1, ITERATIONS + 1))
     for it, want in entry_baseline.items():
         assert losses[it] == pytest.approx(want, rel=1e-5), f"iteration {it}"
+
+
+@pytest.fixture(scope="module")
+def baseline_grads() -> dict:
+    torch.set_num_threads(1)
+    return first_step_grads(BASELINE)
+
+
+@pytest.mark.parametrize("world,index", [(w, i) for w in sorted(GRAD_LAYOUTS) for i in range(len(GRAD_LAYOUTS[w]))],
+                         ids=[layout.name for w in sorted(GRAD_LAYOUTS) for layout in GRAD_LAYOUTS[w]])
+def test_interleaved_first_step_grads_match_single_process(request, baseline_grads, world, index):
+    """Every gradient (both copies of the tied embedding included) and every micro batch's loss
+    of one interleaved forward_backward equal the single process's."""
+    ranks = request.getfixturevalue("two_rank" if world == 2 else "four_rank")
+    results = [rank["grads"][index] for rank in ranks]
+    name = results[0]["layout"]
+    layout = GRAD_LAYOUTS[world][index]
+    for r in results:  # the last stage of DP rank d holds the losses of micro batches d, d + dp, ...
+        if r["pp_rank"] != layout.pp - 1:
+            assert r["losses"] == []
+            continue
+        want = baseline_grads["losses"][r["dp_rank"]::layout.dp]
+        assert r["losses"] == pytest.approx(want, rel=1e-6, abs=0), f"{name}: losses {r['losses']} vs {want}"
+    merged, reference = merge_params(results), merge_params([baseline_grads])
+    assert set(merged) == set(reference)
+    for pname, copies in merged.items():
+        want = reference[pname][0]
+        for got in copies:
+            diff = (got - want).abs().max().item()
+            assert diff <= 1e-6 * max(want.abs().max().item(), 1e-3), f"{name}: grad of {pname} differs by {diff:.3g}"
