@@ -246,8 +246,16 @@ def forward_backward_pipelining_with_interleaving(
     forward_step_func is called M times per chunk, with that chunk as `model`; the data iterator
     is read once per micro batch (see _SharedMicroBatches). The contract is otherwise the module's.
     """
-    chunks = list(_unwrap(model).chunks)
+    chunks = getattr(_unwrap(model), "chunks", None)
+    if chunks is None:
+        raise TypeError(f"the interleaved schedule runs model chunks, but {type(_unwrap(model)).__name__} has no "
+                        "`.chunks`; build the model with megatron_core.models.gpt.build_gpt_model")
+    chunks = list(chunks)
     p, r, v = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank(), len(chunks)
+    expected = ps.get_virtual_pipeline_model_parallel_world_size()
+    if expected is not None and expected != v:
+        raise ValueError(f"the model has {v} chunks but the process groups were built for {expected} virtual "
+                         "pipeline stages per rank")
     if num_microbatches % p:
         raise UserError(f"the interleaved pipeline schedule needs the number of micro batches per iteration "
                         f"({num_microbatches}) to be a multiple of pipeline_model_parallel_size {p}; change "
