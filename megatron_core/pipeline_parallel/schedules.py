@@ -9,7 +9,9 @@ THE CONTRACT (the training loop codes to this; both schedules below honour it):
     forward_step_func(data_iterator, model) -> (output_tensor, loss_func)
         Called exactly `num_microbatches` times per call on every pipeline stage, in micro-batch
         order, so every stage consumes its data iterator identically (stages that need no data
-        may pass None and ignore it). It runs `model(...)`: on a non-first stage the schedule has
+        may pass None and ignore it). Under the interleaved schedule: that many times per model
+        chunk, with the chunk as `model` and a view of the iterator that yields each micro batch
+        to every chunk while the iterator itself is still read once per micro batch. It runs `model(...)`: on a non-first stage the schedule has
         already called `model.set_input_tensor(activations_from_previous_stage)`.
         output_tensor: the per-token loss [b, s] on the last stage, hidden states elsewhere.
     loss_func(output_tensor) -> (loss, stats)
