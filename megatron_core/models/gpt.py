@@ -419,7 +419,8 @@ class GPTModelChunks(nn.Module):
     models; one module here, so the optimizer, the data-parallel wrapper and the grad norm see
     every parameter once). Chunk c is `chunks[c]`, a GPTModel holding global layers
     parallel_state.stage_layers(..., virtual_rank=c). Only the schedule runs it, chunk by chunk;
-    checkpoints hold one `model{c}` entry per chunk (chunk_state_dicts / load_chunk_state_dicts).
+    checkpoints hold each chunk's own state_dict() as `model{c}` (the trainer saves and loads
+    chunk by chunk, so the keys are a GPTModel's, with layer numbers local to the chunk).
     """
 
     def __init__(self, chunks: list[GPTModel]) -> None:
@@ -451,15 +452,6 @@ class GPTModelChunks(nn.Module):
         if match is None:
             raise ValueError(f"{name!r} is not a parameter of a model chunk")
         return self.chunks[int(match[1])].global_parameter_name(match[2])
-
-    def chunk_state_dicts(self) -> list[dict]:
-        return [chunk.state_dict() for chunk in self.chunks]
-
-    def load_chunk_state_dicts(self, states: list[dict]) -> None:
-        if len(states) != len(self.chunks):
-            raise UserError(f"{len(states)} model chunk state(s) for {len(self.chunks)} virtual pipeline chunks")
-        for chunk, state in zip(self.chunks, states):
-            chunk.load_state_dict(state)
 
     def set_input_tensor(self, input_tensor) -> None:
         raise RuntimeError("GPTModelChunks runs chunk by chunk: the interleaved schedule sets each chunk's input")
