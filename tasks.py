@@ -240,13 +240,17 @@ def convert(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, load=N
 
 @task(name="import-hf", help={"model": "transformers GPT2 directory", "save": "checkpoint directory to write",
                               "tp": "tensor-parallel size", "pp": "pipeline-parallel size",
+                              "vpp_layers": "num_layers_per_virtual_pipeline_stage: write the interleaved "
+                                            "schedule's chunked layout (model0, model1, ...)",
                               "overwrite": "replace a checkpoint already in --save"})
 @people_errors
-def import_hf(c, model, save, tp=1, pp=1, overwrite=False):
+def import_hf(c, model, save, tp=1, pp=1, vpp_layers=None, overwrite=False):
     """Write a Megatron-layout checkpoint from a transformers GPT2 directory (to continue training)."""
     from megatron_core.convert import import_hf_model
 
-    print(json.dumps(import_hf_model(model, save, tp=tp, pp=pp, overwrite=overwrite), indent=2, default=str))
+    vls = int(vpp_layers) if vpp_layers is not None else None
+    print(json.dumps(import_hf_model(model, save, tp=tp, pp=pp, overwrite=overwrite,
+                                     num_layers_per_virtual_pipeline_stage=vls), indent=2, default=str))
 
 
 @recipe_task(help={

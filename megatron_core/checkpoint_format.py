@@ -100,6 +100,29 @@ def flatten_model_state(nested: dict) -> dict[str, torch.Tensor]:
     return flat
 
 
+_MODEL_CHUNK_KEY = re.compile(r"^model(\d+)$")
+
+
+def model_entries(nested_states: list[dict]) -> dict:
+    """A rank file's model key(s) for its model chunks' nested dicts: `model` for one, `model0`,
+    `model1`, ... for the virtual pipeline chunks of the interleaved schedule (Megatron's layout)."""
+    if len(nested_states) == 1:
+        return {"model": nested_states[0]}
+    return {f"model{i}": state for i, state in enumerate(nested_states)}
+
+
+def model_chunks(checkpoint: dict, where="checkpoint") -> list[dict]:
+    """The nested model dict(s) of one rank file in chunk order: [model] or [model0, model1, ...]."""
+    if "model" in checkpoint:
+        return [checkpoint["model"]]
+    found = sorted(int(m[1]) for m in map(_MODEL_CHUNK_KEY.match, checkpoint) if m)
+    if not found:
+        raise CheckpointError(f"{where} holds no 'model' (or 'model0', 'model1', ...) entry; it is not a model checkpoint")
+    if found != list(range(len(found))):
+        raise CheckpointError(f"{where} holds model chunks {['model%d' % i for i in found]}; chunks are missing")
+    return [checkpoint[f"model{i}"] for i in found]
+
+
 # ----------------------------------------------------------------------------------------------
 # Paths
 # ----------------------------------------------------------------------------------------------
@@ -228,12 +251,13 @@ def publish_iteration(save: Path, iteration) -> Path:
 def write_checkpoint(save, models: dict, args: argparse.Namespace, iteration: Union[int, str],
                      extra: Optional[dict] = None) -> Path:
     """Write {(tp, pp): nested model dict} from one process as a model-only checkpoint (what
-    import-hf and the converters write), through the same staging and publishing as training."""
+    import-hf and the converters write), through the same staging and publishing as training.
+    A list of nested dicts for a rank is its virtual pipeline chunks (model0, model1, ...)."""
     save = Path(save)
     pp_size = 1 + max(p for _, p in models)
     shutil.rmtree(staging_dir(save, iteration), ignore_errors=True)
     for (tp_rank, pp_rank), model in sorted(models.items()):
-        payload = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration, "model": model,
-                   **(extra or {})}
+        payload = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
+                   **model_entries(model if isinstance(model, list) else [model]), **(extra or {})}
         write_rank_file(save, iteration, tp_rank, pp_rank, pp_size, payload)
     return publish_iteration(save, iteration)

@@ -106,12 +106,21 @@ class ParallelConfig:
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     recompute_granularity: Optional[Literal["full", "selective"]] = None
+    # Megatron's interleaved 1F1B (virtual pipeline stages): each PP rank holds
+    # num_layers / (PP x this) non-contiguous chunks of this many layers; None: one contiguous stage.
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
     # Gradient all-reduce bucket size for data parallelism (elements), as Megatron's ddp_bucket_size.
     ddp_bucket_size: int = 40_000_000
 
     @property
     def data_parallel_size(self) -> int:
         return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+
+    def virtual_pipeline_model_parallel_size(self, num_layers: int) -> Optional[int]:
+        """Model chunks per PP rank (Megatron's virtual_pipeline_model_parallel_size), None without interleaving."""
+        if self.num_layers_per_virtual_pipeline_stage is None:
+            return None
+        return num_layers // (self.pipeline_model_parallel_size * self.num_layers_per_virtual_pipeline_stage)
 
 
 @dataclass
@@ -201,6 +210,11 @@ RESUME_SAFE_KEYS = frozenset(
 )
 
 
+# Keys added after recipes were hashed: at their default (None) they are left out of the resolved
+# recipe, so every existing recipe keeps its hash, run directory and resumable checkpoints.
+KEYS_HASHED_ONLY_WHEN_SET = ("parallel.num_layers_per_virtual_pipeline_stage",)
+
+
 @dataclass
 class Recipe:
     name: str
@@ -249,6 +263,10 @@ class Recipe:
         out: dict[str, Any] = {k: getattr(self, k) for k in TOP_LEVEL}
         for name in SECTIONS:
             out[name] = dataclasses.asdict(getattr(self, name))
+        for dotted in KEYS_HASHED_ONLY_WHEN_SET:
+            section, key = dotted.split(".")
+            if out[section][key] is None:
+                del out[section][key]
         return out
 
     @property
@@ -294,10 +312,12 @@ class Recipe:
 
     def describe(self) -> str:
         m, p, t = self.model, self.parallel, self.training
+        vpp = p.virtual_pipeline_model_parallel_size(m.num_layers)
+        chunks = f" x {vpp} virtual stages" if vpp is not None else ""
         return (
             f"{self.name} v{self.version} [{self.hash}]: {m.num_layers}x{m.hidden_size}x"
             f"{m.num_attention_heads} seq {m.seq_length}, world {p.world_size} (TP {p.tensor_model_parallel_size}, "
-            f"PP {p.pipeline_model_parallel_size}, DP {p.data_parallel_size}), micro {t.micro_batch_size}, "
+            f"PP {p.pipeline_model_parallel_size}{chunks}, DP {p.data_parallel_size}), micro {t.micro_batch_size}, "
             f"global {t.global_batch_size}, {t.train_iters} iters"
         )
 
@@ -418,6 +438,28 @@ def recipe_from_dict(raw: dict, source: str = "<dict>", overrides: Optional[list
     return recipe
 
 
+def _virtual_pipeline_problems(num_layers: int, pp: int, layers_per_virtual_stage: Optional[int],
+                               num_micro_batches: int) -> list[str]:
+    """What stops the interleaved schedule (Megatron's checks), each naming its numbers."""
+    if layers_per_virtual_stage is None:
+        return []
+    key = "parallel.num_layers_per_virtual_pipeline_stage"
+    if layers_per_virtual_stage < 1:
+        return [f"{key} must be >= 1 or null (got {layers_per_virtual_stage})"]
+    if pp < 2:
+        return [f"{key} {layers_per_virtual_stage} needs pipeline_model_parallel_size >= 2 (got {pp}); "
+                "set it to null without pipeline parallelism"]
+    problems = []
+    if num_layers % (pp * layers_per_virtual_stage):
+        problems.append(f"model.num_layers {num_layers} is not divisible by pipeline_model_parallel_size {pp} x "
+                        f"{key} {layers_per_virtual_stage} = {pp * layers_per_virtual_stage}")
+    if num_micro_batches % pp:
+        problems.append(f"the interleaved schedule needs the number of micro batches per iteration "
+                        f"({num_micro_batches} = global_batch_size / (micro_batch_size x data-parallel size)) "
+                        f"to be a multiple of pipeline_model_parallel_size {pp}")
+    return problems
+
+
 def validate(recipe: Recipe) -> None:
     """Refuse impossible combinations before any work starts."""
     m, p, t = recipe.model, recipe.parallel, recipe.training
@@ -462,6 +504,8 @@ def validate(recipe: Recipe) -> None:
     if m.num_layers % pp:
         problems.append(f"model.num_layers {m.num_layers} is not divisible by PP {pp}")
     dp = max(p.data_parallel_size, 1)
+    problems += _virtual_pipeline_problems(m.num_layers, pp, p.num_layers_per_virtual_pipeline_stage,
+                                           t.global_batch_size // max(t.micro_batch_size * dp, 1))
     if t.global_batch_size % (t.micro_batch_size * dp):
         problems.append(
             f"training.global_batch_size {t.global_batch_size} is not a multiple of micro_batch_size "

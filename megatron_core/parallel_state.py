@@ -48,7 +48,8 @@ def validate_layout(world_size: int, tp: int, pp: int, num_attention_heads: Opti
                     num_layers: Optional[int] = None, *, ffn_hidden_size: Optional[int] = None,
                     padded_vocab_size: Optional[int] = None, seq_length: Optional[int] = None,
                     sequence_parallel: bool = False, global_batch_size: Optional[int] = None,
-                    micro_batch_size: Optional[int] = None) -> None:
+                    micro_batch_size: Optional[int] = None,
+                    num_layers_per_virtual_pipeline_stage: Optional[int] = None) -> None:
     """Refuse a layout that cannot work, with one message naming every number that disagrees."""
     problems = [f"{name} must be >= 1 (got {value})"
                 for name, value in (("world size", world_size), ("tensor_model_parallel_size", tp),
@@ -66,6 +67,14 @@ def validate_layout(world_size: int, tp: int, pp: int, num_attention_heads: Opti
         problems.append(f"padded vocabulary {padded_vocab_size} is not divisible by tensor_model_parallel_size {tp}")
     if num_layers is not None and num_layers % pp:
         problems.append(f"num_layers {num_layers} is not divisible by pipeline_model_parallel_size {pp}")
+    vls = num_layers_per_virtual_pipeline_stage
+    if vls is not None:
+        if vls < 1 or pp < 2:
+            problems.append(f"num_layers_per_virtual_pipeline_stage {vls} needs a value >= 1 and "
+                            f"pipeline_model_parallel_size >= 2 (got {pp})")
+        elif num_layers is not None and num_layers % (pp * vls):
+            problems.append(f"num_layers {num_layers} is not divisible by pipeline_model_parallel_size {pp} x "
+                            f"num_layers_per_virtual_pipeline_stage {vls} = {pp * vls}")
     if sequence_parallel and tp == 1:
         problems.append("sequence_parallel needs tensor_model_parallel_size > 1")
     if sequence_parallel and seq_length is not None and seq_length % tp:
@@ -79,6 +88,23 @@ def validate_layout(world_size: int, tp: int, pp: int, num_attention_heads: Opti
     if problems:
         raise ParallelLayoutError("impossible parallel layout: " + "; ".join(problems)
                                   + "; change the recipe's parallel sizes or model shape")
+
+
+def stage_layers(num_layers: int, pp: int, pp_rank: int, *,
+                 num_layers_per_virtual_pipeline_stage: Optional[int] = None, virtual_rank: int = 0) -> range:
+    """Global layer numbers held by pipeline rank `pp_rank` (its model chunk `virtual_rank` when interleaved).
+
+    Without virtual stages, rank r holds the contiguous [r L/p, (r+1) L/p). With v = L / (p n)
+    virtual stages of n layers, chunk c of rank r holds [(c p + r) n, (c p + r + 1) n): the model
+    goes round the ranks v times (Megatron's layout), e.g. L 8, p 2, n 2:
+    rank 0 holds layers 0-1 and 4-5, rank 1 holds 2-3 and 6-7.
+    """
+    if num_layers_per_virtual_pipeline_stage is None:
+        per_stage = num_layers // pp
+        return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
+    n = num_layers_per_virtual_pipeline_stage
+    start = (virtual_rank * pp + pp_rank) * n
+    return range(start, start + n)
 
 
 def rank_layout(world_size: int, tp: int, pp: int) -> RankLayout:
@@ -116,13 +142,21 @@ class _Group:
 
 
 _GROUPS: dict[str, _Group] = {}
+_VIRTUAL_PIPELINE_WORLD_SIZE: Optional[int] = None  # model chunks per PP rank (interleaved 1F1B), or None
 
 
-def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1) -> None:
-    """Build every TP, DP, PP, embedding and model-parallel group (call on all ranks, same sizes)."""
+def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+                              virtual_pipeline_model_parallel_size: Optional[int] = None) -> None:
+    """Build every TP, DP, PP, embedding and model-parallel group (call on all ranks, same sizes).
+    `virtual_pipeline_model_parallel_size` (Megatron's name): model chunks per PP rank for the
+    interleaved schedule; None runs one contiguous stage per rank."""
+    global _VIRTUAL_PIPELINE_WORLD_SIZE
     if _GROUPS:
         raise RuntimeError("model parallel groups are already initialized; call destroy_model_parallel() first")
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    if virtual_pipeline_model_parallel_size is not None and (pp < 2 or virtual_pipeline_model_parallel_size < 1):
+        raise ParallelLayoutError(f"virtual_pipeline_model_parallel_size {virtual_pipeline_model_parallel_size} "
+                                  f"needs pipeline_model_parallel_size >= 2 (got {pp}) and a value >= 1")
     if not dist.is_initialized():
         if tp * pp != 1:
             raise ParallelLayoutError(
@@ -138,6 +172,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
                 _GROUPS[kind] = _Group(group, ranks)
     # On a middle pipeline stage (PP > 2) this rank belongs to no embedding group.
     _GROUPS.setdefault("embedding", _Group(None, []))
+    _VIRTUAL_PIPELINE_WORLD_SIZE = virtual_pipeline_model_parallel_size
 
 
 def model_parallel_is_initialized() -> bool:
@@ -146,6 +181,8 @@ def model_parallel_is_initialized() -> bool:
 
 def destroy_model_parallel() -> None:
     """Forget the groups (the default process group itself is left to its owner)."""
+    global _VIRTUAL_PIPELINE_WORLD_SIZE
+    _VIRTUAL_PIPELINE_WORLD_SIZE = None
     for entry in _GROUPS.values():
         if entry.group is not None and dist.is_initialized():
             dist.destroy_process_group(entry.group)
@@ -224,6 +261,11 @@ def is_pipeline_first_stage() -> bool:
 
 def is_pipeline_last_stage() -> bool:
     return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
+
+
+def get_virtual_pipeline_model_parallel_world_size() -> Optional[int]:
+    """Model chunks per pipeline rank under the interleaved schedule; None without it."""
+    return _VIRTUAL_PIPELINE_WORLD_SIZE
 
 
 def get_data_parallel_group() -> Optional[dist.ProcessGroup]:

@@ -149,15 +149,17 @@ def build_datasets(recipe: Recipe, data_prefix, cache_dir: Path):
 
 
 def build_model(recipe: Recipe, padded_vocab_size: int, device: torch.device, dtype: torch.dtype, fusions):
-    from megatron_core.models.gpt import GPTModel
+    from megatron_core.models.gpt import build_gpt_model
 
     # Weights come from (training.seed, parameter name), not from the per-stage seeded RNG, so every
     # TP x PP layout starts from the single process's weights (Megatron seeds stages apart for dropout).
-    model = GPTModel(recipe.model, recipe.parallel, padded_vocab_size, fusions=fusions,
-                     init_seed=recipe.training.seed)
+    # With virtual pipeline stages this is GPTModelChunks, one GPTModel per chunk.
+    model = build_gpt_model(recipe.model, recipe.parallel, padded_vocab_size, fusions=fusions,
+                            init_seed=recipe.training.seed)
     model = model.to(device=device, dtype=dtype)
     if recipe.training.compile:
-        model.forward = torch.compile(model.forward)  # keeps state_dict keys unchanged
+        for stage in getattr(model, "chunks", [model]):
+            stage.forward = torch.compile(stage.forward)  # keeps state_dict keys unchanged
     return model
 
 
@@ -212,7 +214,8 @@ def train(recipe: Recipe, run_dir, data_prefix, tokenizer_files=None, load=None,
         raise TrainingConfigError(f"the recipe's parallel.world_size is {p.world_size} but {info.world_size} "
                                   "processes were started; launch with that many (invoke train) or --set world_size=N")
     if info.world_size > 1:
-        ps.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
+        ps.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                                     p.virtual_pipeline_model_parallel_size(recipe.model.num_layers))
     device = choose_device(t.device, info.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -234,8 +237,11 @@ def train(recipe: Recipe, run_dir, data_prefix, tokenizer_files=None, load=None,
     apex = apex_status()
     logger.info(f"recipe: {recipe.describe()}")
     logger.info(f"recipe source: {recipe.source or '<in memory>'}; overrides: {recipe.overrides or 'none'}")
+    vpp = p.virtual_pipeline_model_parallel_size(recipe.model.num_layers)
+    schedule = (f" (interleaved 1F1B, {vpp} virtual stages of {p.num_layers_per_virtual_pipeline_stage} layers "
+                "per rank)" if vpp is not None else "")
     logger.info(f"layout: world {p.world_size} = TP {p.tensor_model_parallel_size} x PP "
-                f"{p.pipeline_model_parallel_size} x DP {p.data_parallel_size}; micro batch {t.micro_batch_size}, "
+                f"{p.pipeline_model_parallel_size}{schedule} x DP {p.data_parallel_size}; micro batch {t.micro_batch_size}, "
                 f"{recipe.num_micro_batches} micro batches per iteration, global batch {t.global_batch_size}")
     logger.info(f"device: {name}; precision: {precision}; parameters on this rank: {n_params:,}; "
                 f"padded vocab {padded_vocab}")

@@ -161,3 +161,40 @@ def test_num_parameters_formula_small_case():
     per_layer = 2 * (2 * h) + (3 * h * h + 3 * h) + (h * h + h) + (h * 4 * h + 4 * h) + (4 * h * h + h)
     assert r.num_parameters() == v * h + 4 * h + per_layer + 2 * h
     assert math.isclose(r.tokens_to_train(), r.training.train_iters * r.training.global_batch_size * 4)
+
+
+VPP = {"model": {"num_layers": 8}, "parallel": {"world_size": 2, "pipeline_model_parallel_size": 2}}
+
+
+@pytest.mark.parametrize(
+    "layers_per_stage, num_layers, pp, global_batch, message",
+    [
+        (3, 8, 2, 4, "model.num_layers 8 is not divisible by pipeline_model_parallel_size 2 x "
+                     "parallel.num_layers_per_virtual_pipeline_stage 3 = 6"),
+        (2, 8, 2, 3, r"number of micro batches per iteration \(3 = .*\) to be a multiple of "
+                     "pipeline_model_parallel_size 2"),
+        (2, 8, 1, 4, "needs pipeline_model_parallel_size >= 2 \\(got 1\\)"),
+        (0, 8, 2, 4, "must be >= 1 or null \\(got 0\\)"),
+    ],
+)
+def test_virtual_pipeline_stages_refused_with_the_numbers(layers_per_stage, num_layers, pp, global_batch, message):
+    with pytest.raises(UserError, match=message):
+        recipe_from_dict(minimal(model={"num_layers": num_layers},
+                                 parallel={"world_size": pp, "pipeline_model_parallel_size": pp,
+                                           "num_layers_per_virtual_pipeline_stage": layers_per_stage},
+                                 training={"micro_batch_size": 1, "global_batch_size": global_batch}))
+
+
+def test_virtual_pipeline_stages_count_and_hash():
+    plain = recipe_from_dict(minimal(**VPP))
+    assert plain.parallel.virtual_pipeline_model_parallel_size(8) is None
+    # Unset, the key is not part of the resolved recipe: every existing recipe keeps its hash.
+    assert "num_layers_per_virtual_pipeline_stage" not in plain.to_dict()["parallel"]
+    chunked = recipe_from_dict(minimal(model=VPP["model"], parallel={**VPP["parallel"],
+                                                                     "num_layers_per_virtual_pipeline_stage": 2},
+                                       training={"global_batch_size": 4}))
+    assert chunked.parallel.virtual_pipeline_model_parallel_size(8) == 2
+    assert "x 2 virtual stages" in chunked.describe()
+    assert chunked.hash != recipe_from_dict(minimal(model=VPP["model"], parallel=VPP["parallel"],
+                                                    training={"global_batch_size": 4})).hash
+    assert plain.diff(chunked.to_dict()) == ["parallel.num_layers_per_virtual_pipeline_stage", "training.global_batch_size"]

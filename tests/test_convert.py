@@ -230,3 +230,28 @@ def test_tp2pp2_checkpoint_written_by_four_ranks(tmp_path, tokenizer_files):
     ids = prompts()
     expected = load_megatron_model(tmp_path / "ck")(ids)
     assert (hf_model(tmp_path / "hf")(ids).logits - expected).abs().max() < 1e-4
+
+
+def test_virtual_pipeline_layout_imports_reads_and_converts(tp1_checkpoint, tokenizer_files, tmp_path):
+    """import-hf writes the interleaved schedule's layout (model0, model1 per rank; chunk c of PP
+    rank r holds global layer c x PP + r here), and read/convert merge it back bit for bit."""
+    from megatron_core.training.checkpointing import load_checkpoint_file
+
+    _, _, state = tp1_checkpoint
+    plain = save_layout(tmp_path / "plain", tiny_recipe(2, 2), state, *tokenizer_files, tp=2, pp=2)
+    convert_checkpoint(plain, tmp_path / "hf")
+    import_hf_model(tmp_path / "hf", tmp_path / "vpp", tp=2, pp=2, iteration=10,
+                    num_layers_per_virtual_pipeline_stage=1)
+    qkv = "self_attention.query_key_value.weight"
+    for pp_rank in range(2):
+        shard = load_checkpoint_file(tmp_path / "vpp" / "iter_0000010" / f"mp_rank_01_{pp_rank:03d}" / "model_optim_rng.pt")
+        assert "model" not in shard and shard["args"].virtual_pipeline_model_parallel_size == 2
+        for chunk in range(2):
+            encoder = shard[f"model{chunk}"]["language_model"]["encoder"]
+            assert torch.equal(encoder[f"layers.0.{qkv}"],
+                               state[f"encoder.layers.{chunk * 2 + pp_rank}.{qkv}"].chunk(2)[1])
+            assert ("final_layernorm.weight" in encoder) == (pp_rank == 1 and chunk == 1)
+    merged = read_checkpoint(tmp_path / "vpp")
+    assert all(torch.equal(merged.state[k], v) for k, v in state.items()) and set(merged.state) == set(state)
+    convert_checkpoint(tmp_path / "vpp", tmp_path / "hf2")
+    assert (tmp_path / "hf" / "model.safetensors").read_bytes() == (tmp_path / "hf2" / "model.safetensors").read_bytes()

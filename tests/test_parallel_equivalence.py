@@ -25,7 +25,7 @@ import torch.distributed as dist
 from megatron_core import parallel_state as ps
 from megatron_core.config import Recipe, recipe_from_dict
 from megatron_core.distributed import DistributedDataParallel
-from megatron_core.models.gpt import GPTModel
+from megatron_core.models.gpt import GPTModel, build_gpt_model
 from megatron_core.training.logging import RunLogger, read_metrics
 from megatron_core.optimizer.optimizer import AdamSettings, MegatronOptimizer
 
@@ -46,6 +46,7 @@ class Layout:
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
     recompute: Optional[str] = None
+    vpp_layers: Optional[int] = None  # num_layers_per_virtual_pipeline_stage (the interleaved schedule)
 
     @property
     def world_size(self) -> int:
@@ -69,7 +70,8 @@ def make_recipe(layout: Layout, **training) -> Recipe:
         "parallel": dict(world_size=layout.world_size, tensor_model_parallel_size=layout.tp,
                          pipeline_model_parallel_size=layout.pp, sequence_parallel=layout.sequence_parallel,
                          use_distributed_optimizer=layout.distributed_optimizer,
-                         recompute_granularity=layout.recompute, ddp_bucket_size=4000),
+                         recompute_granularity=layout.recompute, ddp_bucket_size=4000,
+                         num_layers_per_virtual_pipeline_stage=layout.vpp_layers),
         "training": {**dict(micro_batch_size=layout.micro_batch_size, global_batch_size=GLOBAL_BATCH,
                             train_iters=ITERATIONS, lr=2e-3, min_lr=2e-4, lr_decay_style="cosine", lr_warmup_iters=2,
                             lr_decay_iters=ITERATIONS, weight_decay=0.01, clip_grad=1.0, seed=SEED, log_interval=1,
@@ -97,9 +99,10 @@ def build(recipe: Recipe):
 
     p, t = recipe.parallel, recipe.training
     if dist.is_initialized():
-        ps.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
+        ps.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                                     p.virtual_pipeline_model_parallel_size(recipe.model.num_layers))
     seed_everything(t.seed)
-    module = GPTModel(recipe.model, p, recipe.padded_vocab_size(VOCAB), init_seed=t.seed)
+    module = build_gpt_model(recipe.model, p, recipe.padded_vocab_size(VOCAB), init_seed=t.seed)
     settings = AdamSettings(t.lr, t.weight_decay, t.adam_beta1, t.adam_beta2, t.adam_eps)
     if p.use_distributed_optimizer:
         from megatron_core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -236,11 +239,40 @@ def train_entry_point(layout: Layout, run_root: str) -> Optional[dict[int, float
         ps.destroy_model_parallel()
 
 
+def first_step_grads(layout: Layout) -> dict:
+    """The gradients one forward_backward leaves (the schedule of this layout, grad sync and
+    finalize_model_grads included, before any optimizer step), under their global names."""
+    from megatron_core.pipeline_parallel import get_forward_backward_func
+    from megatron_core.training.data_iterators import batch_iterator
+    from megatron_core.training.trainer import gpt_forward_step
+
+    try:
+        recipe = make_recipe(layout)
+        model, module, _ = build(recipe)
+        iterator = batch_iterator(SyntheticTokens(), consumed_samples=0, micro_batch_size=layout.micro_batch_size,
+                                  dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
+                                  device=torch.device("cpu"))
+        losses = get_forward_backward_func()(gpt_forward_step, iterator, model, layout.num_microbatches,
+                                             seq_length=SEQ, micro_batch_size=layout.micro_batch_size)
+        summary = rank_summary(layout, module, None)
+        summary["losses"] = [float(d["lm loss"]) for d in losses]
+        tp_rank = ps.get_tensor_model_parallel_rank()
+        summary["params"] = {}
+        for name, param in module.named_parameters():
+            dim = param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
+            summary["params"].setdefault(module.global_parameter_name(name), []).append(
+                (param.grad.detach().clone(), dim, tp_rank))
+        return summary
+    finally:
+        ps.destroy_model_parallel()
+
+
 def two_and_four_rank_work(layouts: list[Layout], resume: Optional[Layout], run_root: str,
-                           entry_layouts: tuple = ()) -> dict:
+                           entry_layouts: tuple = (), grad_layouts: tuple = ()) -> dict:
     torch.set_num_threads(1)
     results = {"layouts": [train_layout(layout, run_root) for layout in layouts],
-               "entry": [train_entry_point(layout, run_root) for layout in entry_layouts]}
+               "entry": [train_entry_point(layout, run_root) for layout in entry_layouts],
+               "grads": [first_step_grads(layout) for layout in grad_layouts]}
     if resume is not None:
         results["resume"] = train_interrupted(resume, run_root, stop_at=ITERATIONS // 2)
     return results
@@ -250,6 +282,8 @@ def two_and_four_rank_work(layouts: list[Layout], resume: Optional[Layout], run_
 # The tests: one spawn of 2 ranks and one of 4 ranks run every layout; each layout is one test.
 # ----------------------------------------------------------------------------------------------
 
+# The interleaved schedule: 2 model chunks of 1 layer per rank (rank 0: layers 0, 2; rank 1: 1, 3).
+PP2_VPP2 = Layout("PP2 VPP2", pp=2, vpp_layers=1)
 TWO_RANK_LAYOUTS = [
     Layout("TP2", tp=2),
     Layout("TP2 SP", tp=2, sequence_parallel=True),
@@ -259,6 +293,8 @@ TWO_RANK_LAYOUTS = [
     Layout("PP2 full recompute", pp=2, recompute="full"),
     Layout("DP2", dp=2),
     Layout("DP2 distributed optimizer", dp=2, distributed_optimizer=True),
+    PP2_VPP2,  # M = 4: warm-up, steady 1F1B and cool-down
+    Layout("PP2 VPP2 2 micro batches", pp=2, vpp_layers=1, micro_batch_size=4),  # M = 2: all warm-up on rank 0
 ]
 TP2_PP2 = Layout("TP2xPP2", tp=2, pp=2)
 FOUR_RANK_LAYOUTS = [
@@ -268,13 +304,23 @@ FOUR_RANK_LAYOUTS = [
     Layout("PP4", pp=4, micro_batch_size=2),  # M = 4
     Layout("PP4 2 micro batches", pp=4, micro_batch_size=4),  # M < pp - 1
     Layout("DP2xPP2 distributed optimizer", pp=2, dp=2, distributed_optimizer=True),
+    Layout("TP2xPP2 VPP2", tp=2, pp=2, vpp_layers=1),
+    Layout("TP2xPP2 VPP2 SP", tp=2, pp=2, vpp_layers=1, sequence_parallel=True),
+    Layout("DP2xPP2 VPP2 distributed optimizer", pp=2, dp=2, vpp_layers=1, distributed_optimizer=True),
 ]
 assert all(layout.num_microbatches >= 1 for layout in TWO_RANK_LAYOUTS + FOUR_RANK_LAYOUTS)
 
 
 # Through megatron_core.pretrain_gpt.train() itself, not only the Trainer with this module's build().
-ENTRY_LAYOUTS = (Layout("PP2", pp=2), Layout("DP2 distributed optimizer", dp=2, distributed_optimizer=True))
+ENTRY_LAYOUTS = (Layout("PP2", pp=2), Layout("DP2 distributed optimizer", dp=2, distributed_optimizer=True),
+                 Layout("PP2 VPP2", pp=2, vpp_layers=1))
 ENTRY_XFAIL: dict[str, str] = {}  # layouts of the entry point known not to match (none)
+
+
+# Gradients after one forward_backward, compared directly (the interleaved schedule's own proof;
+# the layouts above compare losses and weights after ITERATIONS steps).
+GRAD_LAYOUTS = {2: (PP2_VPP2,), 4: (Layout("TP2xPP2 VPP2", tp=2, pp=2, vpp_layers=1),
+                                    Layout("DP2xPP2 VPP2", pp=2, dp=2, vpp_layers=1))}
 
 
 @pytest.fixture(scope="module")
@@ -292,14 +338,16 @@ def baseline(run_root) -> dict:
 def two_rank(run_root) -> dict:
     from distributed_utils import run_distributed
 
-    return run_distributed(two_and_four_rank_work, 2, TWO_RANK_LAYOUTS, None, run_root, ENTRY_LAYOUTS, timeout=300)
+    return run_distributed(two_and_four_rank_work, 2, TWO_RANK_LAYOUTS, PP2_VPP2, run_root, ENTRY_LAYOUTS,
+                           GRAD_LAYOUTS[2], timeout=300)
 
 
 @pytest.fixture(scope="module")
 def four_rank(run_root) -> dict:
     from distributed_utils import run_distributed
 
-    return run_distributed(two_and_four_rank_work, 4, FOUR_RANK_LAYOUTS, TP2_PP2, run_root, timeout=300)
+    return run_distributed(two_and_four_rank_work, 4, FOUR_RANK_LAYOUTS, TP2_PP2, run_root, (), GRAD_LAYOUTS[4],
+                           timeout=300)
 
 
 def test_baseline_learns(baseline):
@@ -317,16 +365,58 @@ def test_four_rank_layout_matches_single_process(four_rank, baseline, index):
     assert_matches_baseline([rank["layouts"][index] for rank in four_rank], baseline)
 
 
-def test_tp2_pp2_checkpoint_resume_is_exact(four_rank):
-    uninterrupted = layout_losses([rank["layouts"][0] for rank in four_rank])
-    resumed_ranks = [rank["resume"] for rank in four_rank]
+def assert_resume_is_exact(resumed_ranks: list[dict], straight_ranks: list[dict]) -> None:
+    uninterrupted = layout_losses(straight_ranks)
     resumed = [r["losses"] for r in resumed_ranks if r["losses"] is not None][0]
     assert sorted(resumed) == list(range(ITERATIONS // 2 + 1, ITERATIONS + 1)), resumed
     assert [resumed[it] for it in sorted(resumed)] == uninterrupted[ITERATIONS // 2:]  # bit for bit
-    continued, straight = merge_params(resumed_ranks), merge_params([rank["layouts"][0] for rank in four_rank])
+    continued, straight = merge_params(resumed_ranks), merge_params(straight_ranks)
+    assert set(continued) == set(straight)
     for name, copies in straight.items():
         for got, want in zip(continued[name], copies):
             assert torch.equal(got, want), f"{name} differs after resume"
+
+
+def test_tp2_pp2_checkpoint_resume_is_exact(four_rank):
+    assert_resume_is_exact([rank["resume"] for rank in four_rank], [rank["layouts"][0] for rank in four_rank])
+
+
+def test_pp2_vpp2_checkpoint_resume_is_exact(two_rank):
+    index = TWO_RANK_LAYOUTS.index(PP2_VPP2)
+    assert_resume_is_exact([rank["resume"] for rank in two_rank], [rank["layouts"][index] for rank in two_rank])
+
+
+def test_pp2_vpp2_checkpoint_holds_chunks_and_converts_to_the_trained_model(two_rank, run_root):
+    """Each rank file holds model0 and model1 (Megatron's layout; the tied embedding in chunk 0 of
+    the first stage and, as word_embeddings_for_head, in the last chunk of the last stage), and the
+    converter's reader merges them into exactly the weights the run ended with."""
+    from megatron_core.checkpoint_format import checkpoint_file, load_checkpoint_file
+    from megatron_core.convert import read_checkpoint
+
+    save = Path(run_root) / "PP2_VPP2-resume" / "checkpoints"
+    first, last = (load_checkpoint_file(checkpoint_file(save, ITERATIONS, 0, r, 2)) for r in range(2))
+    for state in (first, last):
+        assert "model" not in state and {"model0", "model1"} <= set(state)
+        assert state["args"].virtual_pipeline_model_parallel_size == 2
+        assert state["args"].num_layers_per_virtual_pipeline_stage == 1
+        for chunk in ("model0", "model1"):
+            assert sorted(k for k in state[chunk]["language_model"]["encoder"] if k.startswith("layers.")) == \
+                sorted(f"layers.0.{n}" for n in _LAYER_PARAMS)  # one layer per chunk, numbered locally
+    assert "embedding" in first["model0"]["language_model"] and "embedding" not in first["model1"]["language_model"]
+    assert "word_embeddings_for_head" in last["model1"] and "word_embeddings_for_head" not in last["model0"]
+    assert "final_layernorm.weight" in last["model1"]["language_model"]["encoder"]
+    merged = read_checkpoint(save)
+    assert (merged.pipeline_parallel, merged.iteration) == (2, ITERATIONS)
+    trained = merge_params([rank["resume"] for rank in two_rank])
+    assert set(merged.state) == set(trained)
+    for name, tensor in merged.state.items():
+        assert torch.equal(tensor, trained[name][0]), name
+
+
+_LAYER_PARAMS = [f"{module}.{leaf}" for module in ("input_layernorm", "self_attention.query_key_value",
+                                                     "self_attention.dense", "post_attention_layernorm",
+                                                     "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")
+                 for leaf in ("weight", "bias")]
 
 
 @pytest.fixture(scope="module")
@@ -343,3 +433,33 @@ def test_train_entry_point_matches_single_process(two_rank, entry_baseline, inde
     assert sorted(losses) == sorted(entry_baseline) == list(range(1, ITERATIONS + 1))
     for it, want in entry_baseline.items():
         assert losses[it] == pytest.approx(want, rel=1e-5), f"iteration {it}"
+
+
+@pytest.fixture(scope="module")
+def baseline_grads() -> dict:
+    torch.set_num_threads(1)
+    return first_step_grads(BASELINE)
+
+
+@pytest.mark.parametrize("world,index", [(w, i) for w in sorted(GRAD_LAYOUTS) for i in range(len(GRAD_LAYOUTS[w]))],
+                         ids=[layout.name for w in sorted(GRAD_LAYOUTS) for layout in GRAD_LAYOUTS[w]])
+def test_interleaved_first_step_grads_match_single_process(request, baseline_grads, world, index):
+    """Every gradient (both copies of the tied embedding included) and every micro batch's loss
+    of one interleaved forward_backward equal the single process's."""
+    ranks = request.getfixturevalue("two_rank" if world == 2 else "four_rank")
+    results = [rank["grads"][index] for rank in ranks]
+    name = results[0]["layout"]
+    layout = GRAD_LAYOUTS[world][index]
+    for r in results:  # the last stage of DP rank d holds the losses of micro batches d, d + dp, ...
+        if r["pp_rank"] != layout.pp - 1:
+            assert r["losses"] == []
+            continue
+        want = baseline_grads["losses"][r["dp_rank"]::layout.dp]
+        assert r["losses"] == pytest.approx(want, rel=1e-6, abs=0), f"{name}: losses {r['losses']} vs {want}"
+    merged, reference = merge_params(results), merge_params([baseline_grads])
+    assert set(merged) == set(reference)
+    for pname, copies in merged.items():
+        want = reference[pname][0]
+        for got in copies:
+            diff = (got - want).abs().max().item()
+            assert diff <= 1e-6 * max(want.abs().max().item(), 1e-3), f"{name}: grad of {pname} differs by {diff:.3g}"

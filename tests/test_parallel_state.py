@@ -107,3 +107,20 @@ def test_real_groups_on_four_gloo_ranks():
         assert got["first_last"] == (pp_rank == 0, pp_rank == 1)
         other = pp_members[1 - pp_rank]
         assert got["next_prev"] == (other, other)
+
+
+def test_stage_layers_contiguous_and_megatrons_interleaved_layout():
+    from megatron_core.parallel_state import stage_layers
+
+    assert [stage_layers(8, 2, r) for r in range(2)] == [range(0, 4), range(4, 8)]
+    # L 8, PP 2, 2 layers per virtual stage: rank 0 holds 0-1 and 4-5, rank 1 holds 2-3 and 6-7.
+    layout = {(r, c): list(stage_layers(8, 2, r, num_layers_per_virtual_pipeline_stage=2, virtual_rank=c))
+              for r in range(2) for c in range(2)}
+    assert layout == {(0, 0): [0, 1], (1, 0): [2, 3], (0, 1): [4, 5], (1, 1): [6, 7]}
+    # every layer exactly once over PP 4 x 3 chunks of 1 layer
+    held = sorted(l for r in range(4) for c in range(3)
+                  for l in stage_layers(12, 4, r, num_layers_per_virtual_pipeline_stage=1, virtual_rank=c))
+    assert held == list(range(12))
+    with pytest.raises(ps.ParallelLayoutError, match="num_layers 8 is not divisible by pipeline_model_parallel_size 2 x "
+                                                     "num_layers_per_virtual_pipeline_stage 3 = 6"):
+        ps.validate_layout(2, 1, 2, num_layers=8, num_layers_per_virtual_pipeline_stage=3)

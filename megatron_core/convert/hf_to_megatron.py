@@ -1,6 +1,7 @@
 """Hugging Face GPT2 directory -> Megatron-layout checkpoint (any TP x PP), so training can go on.
 
     python -m megatron_core.convert.hf_to_megatron --model HF_DIR --save CKPT_DIR [--tp N] [--pp M]
+        [--num-layers-per-virtual-pipeline-stage K]   (the interleaved schedule's layout: model0, model1, ...)
 
 The checkpoint holds the model (checkpoint_version 3.0), args and iteration; no optimizer state.
 """
@@ -13,7 +14,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
@@ -66,21 +67,23 @@ def read_hf_state(model_dir: Path) -> dict:
 
 
 def import_hf_model(model: Union[str, Path], save: Union[str, Path], tp: int = 1, pp: int = 1,
-                    iteration: Union[int, str] = "release", overwrite: bool = False) -> dict:
+                    iteration: Union[int, str] = "release", overwrite: bool = False,
+                    num_layers_per_virtual_pipeline_stage: Optional[int] = None) -> dict:
     model, save = Path(model), Path(save)
     config_file = model / "config.json"
     if not config_file.exists():
         raise UserError(f"{model} has no config.json; pass a Hugging Face model directory")
     config = json.loads(config_file.read_text())
     shape = shape_from_hf_config(config)
-    check_divisible(shape, tp, pp)
+    vls = num_layers_per_virtual_pipeline_stage
+    check_divisible(shape, tp, pp, vls)
     if (save / TRACKER_FILENAME).exists() and not overwrite:
         raise UserError(f"{save} already holds a checkpoint; pass --overwrite to replace it")
     hf_state = {k.removeprefix("model."): v for k, v in read_hf_state(model).items()}
     if not shape.tied_embeddings and "lm_head.weight" not in hf_state:
         raise UserError(f"{model}: untied embeddings but no lm_head.weight in the weights")
     state = gpt2_to_megatron_state(hf_state, shape)
-    models = split_state(state, shape, tp, pp)
+    models = split_state(state, shape, tp, pp, vls)
     provenance = {}
     if (model / PROVENANCE_FILE).exists():
         provenance = json.loads((model / PROVENANCE_FILE).read_text())
@@ -89,6 +92,9 @@ def import_hf_model(model: Union[str, Path], save: Union[str, Path], tp: int = 1
         # the tokenizer is copied beside the checkpoint; the args name it at its final place
         final = save.resolve()
         extra_args = {"vocab_file": str(final / "vocab.json"), "merge_file": str(final / "merges.txt")}
+    if vls is not None:
+        extra_args.update(num_layers_per_virtual_pipeline_stage=vls,
+                          virtual_pipeline_model_parallel_size=shape.num_layers // (pp * vls))
     args = args_for_shape(shape, tp, pp, **extra_args)
     extra = {"recipe_hash": provenance.get("recipe_hash"), "hf_source": str(model.resolve())}
     save.parent.mkdir(parents=True, exist_ok=True)
@@ -114,12 +120,15 @@ def main(argv=None) -> int:
     parser.add_argument("--save", required=True, help="output Megatron checkpoint directory")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                        help="write the interleaved schedule's chunked layout (model0, model1, ... per rank)")
     parser.add_argument("--iteration", default="release", help="iteration number to record, or 'release'")
     parser.add_argument("--overwrite", action="store_true")
     ns = parser.parse_args(argv)
     try:
         iteration = ns.iteration if ns.iteration == "release" else int(ns.iteration)
-        import_hf_model(ns.model, ns.save, ns.tp, ns.pp, iteration, ns.overwrite)
+        import_hf_model(ns.model, ns.save, ns.tp, ns.pp, iteration, ns.overwrite,
+                        ns.num_layers_per_virtual_pipeline_stage)
     except (UserError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -9,6 +9,10 @@ the checkpoint_version 2.0/3.0 QKV row order (per head [q, k, v]):
     encoder.final_layernorm.{weight,bias}, output_layer.weight (untied only)
 
 `split_state` is the inverse: full state -> per-(tp, pp) nested `model` dicts.
+
+Checkpoints of the interleaved schedule hold `model0`, `model1`, ... (one per virtual pipeline
+chunk) instead of `model` in each rank file; chunk c of PP rank r holds the layers of pipeline
+position c x PP + r (parallel_state.stage_layers), with stage-local layer numbers as always.
 """
 
 from __future__ import annotations
@@ -27,10 +31,12 @@ from megatron_core.checkpoint_format import (
     TRACKER_FILENAME,
     iteration_dir,
     load_checkpoint_file,
+    model_chunks,
     nest_model_state,
     parse_rank_dirname,
 )
 from megatron_core.errors import UserError
+from megatron_core.parallel_state import stage_layers
 
 # Partition dimension of each tensor-parallel weight (None: replicated on every TP rank).
 _VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "word_embeddings_for_head.weight", "output_layer.weight")
@@ -100,8 +106,9 @@ def load_shard_file(path: Path) -> dict:
             f"{path} is not a readable Megatron checkpoint ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
             "point --load at a directory written by Megatron-LM or megatron_core training"
         ) from None
-    if not isinstance(obj, dict) or "model" not in obj:
-        raise UserError(f"{path} is not a Megatron checkpoint (no 'model' key); point --load at a Megatron save dir")
+    if not isinstance(obj, dict) or not any(key == "model" or re.fullmatch(r"model\d+", str(key)) for key in obj):
+        raise UserError(f"{path} is not a Megatron checkpoint (no 'model' or 'model0' key); point --load at a "
+                        "Megatron save dir")
     return obj
 
 
@@ -273,8 +280,15 @@ def read_checkpoint(load_dir, iteration=None) -> MergedCheckpoint:
     if shape.num_attention_heads % tp:
         raise UserError(f"{shape.num_attention_heads} attention heads do not divide by TP {tp}; the args do not "
                         "match the shards")
-    stage_states = {pos: canonical_names(ck["model"]) for pos, ck in shards.items()}
-    state = _merge(stage_states, version, shape, tp, pp)
+    chunk_states = {pos: [canonical_names(m) for m in model_chunks(ck, files[pos])] for pos, ck in shards.items()}
+    chunks = _check_same({pos: {"model chunks": len(c)} for pos, c in chunk_states.items()}, "model chunks", iter_dir)
+    recorded = _arg(args, "virtual_pipeline_model_parallel_size")
+    if (recorded or 1) != chunks:
+        raise UserError(f"{iter_dir}: the shards hold {chunks} model chunk(s) each but args.virtual_pipeline_model_"
+                        f"parallel_size is {recorded}; the args do not match the shards")
+    # Pipeline positions in model order: chunk c of every PP rank, then chunk c + 1 (c x PP + r).
+    stage_states = {(t, c * pp + r): chunk_states[(t, r)][c] for t, r in shards for c in range(chunks)}
+    state = _merge(stage_states, version, shape, tp, pp * chunks)
     if not shape.padded_vocab_size:
         shape.padded_vocab_size = state["embedding.word_embeddings.weight"].shape[0]
     shape.tied_embeddings = "output_layer.weight" not in state
@@ -290,7 +304,7 @@ def _merge(stage_states: dict, version: float, shape: ModelShape, tp: int, pp: i
     merged: dict[str, torch.Tensor] = {}
     layer_offset = 0
     heads_local = shape.num_attention_heads // tp
-    for stage in range(pp):
+    for stage in range(pp):  # pipeline positions in model order (PP x chunks of them when interleaved)
         per_rank = [stage_states[(t, stage)] for t in range(tp)]
         names = list(per_rank[0])
         for t, names_t in enumerate(per_rank):
@@ -329,7 +343,7 @@ def _merge(stage_states: dict, version: float, shape: ModelShape, tp: int, pp: i
 # ----------------------------------------------------------------------------------------------
 
 
-def check_divisible(shape: ModelShape, tp: int, pp: int) -> None:
+def check_divisible(shape: ModelShape, tp: int, pp: int, num_layers_per_virtual_pipeline_stage: Optional[int] = None) -> None:
     problems = []
     if tp < 1 or pp < 1:
         problems.append(f"TP {tp} and PP {pp} must be >= 1")
@@ -340,39 +354,57 @@ def check_divisible(shape: ModelShape, tp: int, pp: int) -> None:
                 problems.append(f"{what} {n} is not divisible by TP {tp}")
         if shape.num_layers % pp:
             problems.append(f"num_layers {shape.num_layers} is not divisible by PP {pp}")
+        vls = num_layers_per_virtual_pipeline_stage
+        if vls is not None and (vls < 1 or pp < 2 or shape.num_layers % (pp * vls)):
+            problems.append(f"num_layers {shape.num_layers} is not divisible by PP {pp} x "
+                            f"num_layers_per_virtual_pipeline_stage {vls} (virtual stages need PP >= 2)")
     if problems:
         raise UserError("; ".join(problems) + "; choose a --tp/--pp that divides the model")
 
 
-def split_state(state: dict, shape: ModelShape, tp: int, pp: int) -> dict[tuple[int, int], dict]:
-    """Full canonical state -> {(tp_rank, pp_rank): nested Megatron `model` dict}."""
-    check_divisible(shape, tp, pp)
-    per_stage = shape.num_layers // pp
-    out = {}
+def split_state(state: dict, shape: ModelShape, tp: int, pp: int,
+                num_layers_per_virtual_pipeline_stage: Optional[int] = None) -> dict[tuple[int, int], Any]:
+    """Full canonical state -> {(tp_rank, pp_rank): nested Megatron `model` dict}; with virtual
+    pipeline stages, {(tp_rank, pp_rank): [nested dict of chunk 0, chunk 1, ...]} in Megatron's
+    interleaved layout (what `model_entries` writes as model0, model1, ...)."""
+    check_divisible(shape, tp, pp, num_layers_per_virtual_pipeline_stage)
+    vls = num_layers_per_virtual_pipeline_stage
+    chunks = 1 if vls is None else shape.num_layers // (pp * vls)
+    out: dict[tuple[int, int], Any] = {}
     for stage in range(pp):
-        first, last = stage == 0, stage == pp - 1
         for rank in range(tp):
-            flat = {}
-            for name, tensor in state.items():
-                dim = tp_partition_dim(name)
-                part = tensor.chunk(tp, dim=dim)[rank].clone() if dim is not None else tensor.clone()
-                match = _LAYER_KEY.match(name)
-                if match:
-                    layer = int(match.group(1))
-                    if stage * per_stage <= layer < (stage + 1) * per_stage:
-                        flat[f"encoder.layers.{layer - stage * per_stage}.{match.group(2)}"] = part
-                elif name.startswith("encoder."):  # final layernorm
-                    if last:
-                        flat[name] = part
-                elif name.startswith("embedding."):
-                    if first:
-                        flat[name] = part
-                    if last and not first and shape.tied_embeddings and name == "embedding.word_embeddings.weight":
-                        flat["word_embeddings_for_head.weight"] = part
-                elif name == "output_layer.weight" and last:
-                    flat[name] = part
-            out[(rank, stage)] = nest_model_state(flat)
+            nested = []
+            for chunk in range(chunks):
+                layers = stage_layers(shape.num_layers, pp, stage, num_layers_per_virtual_pipeline_stage=vls,
+                                      virtual_rank=chunk)
+                first = stage == 0 and chunk == 0
+                last = stage == pp - 1 and chunk == chunks - 1
+                nested.append(nest_model_state(_stage_part(state, shape, tp, rank, layers, first, last)))
+            out[(rank, stage)] = nested[0] if vls is None else nested
     return out
+
+
+def _stage_part(state: dict, shape: ModelShape, tp: int, rank: int, layers: range, first: bool, last: bool) -> dict:
+    """The flat weights of TP rank `rank` at one pipeline position holding the global `layers`."""
+    flat = {}
+    for name, tensor in state.items():
+        dim = tp_partition_dim(name)
+        part = tensor.chunk(tp, dim=dim)[rank].clone() if dim is not None else tensor.clone()
+        match = _LAYER_KEY.match(name)
+        if match:
+            if int(match.group(1)) in layers:
+                flat[f"encoder.layers.{int(match.group(1)) - layers.start}.{match.group(2)}"] = part
+        elif name.startswith("encoder."):  # final layernorm
+            if last:
+                flat[name] = part
+        elif name.startswith("embedding."):
+            if first:
+                flat[name] = part
+            if last and not first and shape.tied_embeddings and name == "embedding.word_embeddings.weight":
+                flat["word_embeddings_for_head.weight"] = part
+        elif name == "output_layer.weight" and last:
+            flat[name] = part
+    return flat
 
 
 def args_for_shape(shape: ModelShape, tp: int, pp: int, **extra) -> argparse.Namespace:

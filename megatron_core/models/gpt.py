@@ -270,7 +270,8 @@ def _check_layout(config: ModelConfig, parallel: ParallelConfig, padded_vocab_si
                         f"{live_pp}; call parallel_state.initialize_model_parallel({tp}, {pp}) before building")
     parallel_state.validate_layout(tp * pp, tp, pp, config.num_attention_heads, config.num_layers,
                                    ffn_hidden_size=config.ffn_size, padded_vocab_size=padded_vocab_size,
-                                   seq_length=config.seq_length, sequence_parallel=parallel.sequence_parallel)
+                                   seq_length=config.seq_length, sequence_parallel=parallel.sequence_parallel,
+                                   num_layers_per_virtual_pipeline_stage=parallel.num_layers_per_virtual_pipeline_stage)
 
 
 def _parameter_seed(seed: int, global_name: str) -> int:
@@ -284,21 +285,39 @@ class GPTModel(nn.Module):
     pre_process / post_process default to this rank's pipeline position (first / last stage),
     layer_offset to pp_rank x layers per stage. `init_seed` defaults to torch.initial_seed(), so
     seeding torch before building (as `model_parallel_manual_seed` does) fixes the weights.
+
+    Under the interleaved schedule (parallel.num_layers_per_virtual_pipeline_stage set) a GPTModel
+    is one model chunk, `virtual_pipeline_rank` c of this PP rank: its layers are
+    parallel_state.stage_layers(...), the embedding is in chunk 0 of the first stage and the
+    final norm and head in the last chunk of the last stage. `build_gpt_model` builds them all.
     """
 
     def __init__(self, config: ModelConfig, parallel: ParallelConfig, padded_vocab_size: int, *,
                  pre_process: Optional[bool] = None, post_process: Optional[bool] = None,
-                 layer_offset: Optional[int] = None, fusions: Optional[FusionBackends] = None, init_seed: Optional[int] = None) -> None:
+                 layer_offset: Optional[int] = None, fusions: Optional[FusionBackends] = None, init_seed: Optional[int] = None,
+                 virtual_pipeline_rank: Optional[int] = None) -> None:
         super().__init__()
         _check_layout(config, parallel, padded_vocab_size)
         pp = parallel.pipeline_model_parallel_size
         self.config, self.parallel = config, parallel
         self.padded_vocab_size = padded_vocab_size
-        self.pre_process = parallel_state.is_pipeline_first_stage() if pre_process is None else pre_process
-        self.post_process = parallel_state.is_pipeline_last_stage() if post_process is None else post_process
-        layers_per_stage = config.num_layers // pp
+        chunks = parallel.virtual_pipeline_model_parallel_size(config.num_layers)
+        if virtual_pipeline_rank is not None and not (chunks and 0 <= virtual_pipeline_rank < chunks):
+            raise UserError(f"virtual_pipeline_rank {virtual_pipeline_rank} needs "
+                            f"parallel.num_layers_per_virtual_pipeline_stage set and a rank below {chunks or 1}")
+        self.virtual_pipeline_rank = vp = virtual_pipeline_rank or 0
+        first_chunk, last_chunk = vp == 0, vp == (chunks or 1) - 1
+        if pre_process is None:
+            pre_process = parallel_state.is_pipeline_first_stage() and first_chunk
+        if post_process is None:
+            post_process = parallel_state.is_pipeline_last_stage() and last_chunk
+        self.pre_process, self.post_process = pre_process, post_process
+        layers = parallel_state.stage_layers(
+            config.num_layers, pp, parallel_state.get_pipeline_model_parallel_rank(),
+            num_layers_per_virtual_pipeline_stage=parallel.num_layers_per_virtual_pipeline_stage, virtual_rank=vp)
+        layers_per_stage = len(layers)
         if layer_offset is None:
-            layer_offset = parallel_state.get_pipeline_model_parallel_rank() * layers_per_stage
+            layer_offset = layers.start
         self.layer_offset = layer_offset
         self.sequence_parallel = parallel.sequence_parallel
         self.tied = not config.untie_embeddings_and_output_weights
@@ -393,3 +412,61 @@ class GPTModel(nn.Module):
         if labels is None:
             return logits.transpose(0, 1).contiguous()  # [b, s, V/tp]
         return self.ops.cross_entropy(logits, labels.t()).t().contiguous()  # [b, s] float32
+
+
+class GPTModelChunks(nn.Module):
+    """This PP rank's model chunks under the interleaved 1F1B schedule (Megatron keeps a list of
+    models; one module here, so the optimizer, the data-parallel wrapper and the grad norm see
+    every parameter once). Chunk c is `chunks[c]`, a GPTModel holding global layers
+    parallel_state.stage_layers(..., virtual_rank=c). Only the schedule runs it, chunk by chunk;
+    checkpoints hold each chunk's own state_dict() as `model{c}` (the trainer saves and loads
+    chunk by chunk, so the keys are a GPTModel's, with layer numbers local to the chunk).
+    """
+
+    def __init__(self, chunks: list[GPTModel]) -> None:
+        super().__init__()
+        if len(chunks) < 1:
+            raise ValueError("GPTModelChunks needs at least one chunk")
+        self.chunks = nn.ModuleList(chunks)
+        self.config, self.parallel = chunks[0].config, chunks[0].parallel
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    @property
+    def layer_ranges(self) -> list[range]:
+        return [chunk.layer_range for chunk in self.chunks]
+
+    def shared_embedding_parameters(self) -> list[nn.Parameter]:
+        return [p for chunk in self.chunks for p in chunk.shared_embedding_parameters()]
+
+    def sequence_parallel_parameters(self) -> list[nn.Parameter]:
+        return [p for chunk in self.chunks for p in chunk.sequence_parallel_parameters()]
+
+    def describe_backends(self) -> str:
+        layers = ", ".join(f"{r.start}-{r.stop - 1}" for r in self.layer_ranges)
+        return f"{self.chunks[0].describe_backends()}; {len(self)} virtual pipeline chunks (layers {layers})"
+
+    def global_parameter_name(self, name: str) -> str:
+        match = re.match(r"^chunks\.(\d+)\.(.+)$", name)
+        if match is None:
+            raise ValueError(f"{name!r} is not a parameter of a model chunk")
+        return self.chunks[int(match[1])].global_parameter_name(match[2])
+
+    def set_input_tensor(self, input_tensor) -> None:
+        raise RuntimeError("GPTModelChunks runs chunk by chunk: the interleaved schedule sets each chunk's input")
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("GPTModelChunks runs chunk by chunk under the interleaved schedule "
+                           "(megatron_core.pipeline_parallel.forward_backward_pipelining_with_interleaving)")
+
+
+def build_gpt_model(config: ModelConfig, parallel: ParallelConfig, padded_vocab_size: int, *,
+                    fusions: Optional[FusionBackends] = None, init_seed: Optional[int] = None):
+    """This rank's GPT: one GPTModel stage, or GPTModelChunks with Megatron's virtual pipeline
+    layout when parallel.num_layers_per_virtual_pipeline_stage is set."""
+    chunks = parallel.virtual_pipeline_model_parallel_size(config.num_layers)
+    if chunks is None:
+        return GPTModel(config, parallel, padded_vocab_size, fusions=fusions, init_seed=init_seed)
+    return GPTModelChunks([GPTModel(config, parallel, padded_vocab_size, fusions=fusions, init_seed=init_seed,
+                                    virtual_pipeline_rank=c) for c in range(chunks)])

@@ -18,22 +18,30 @@ import torch.distributed as dist
 from megatron_core import parallel_state as ps
 
 
+# Activations flow forward (to the next stage), gradients backward. Under the interleaved schedule
+# with PP 2 the previous and the next stage are the same rank and one batch can carry both kinds to
+# it: each kind has its own tag (gloo matches by tag), and every rank issues the activation ops
+# before the gradient ops (NCCL matches a pair's messages in issue order), so the two never swap.
+_ACTIVATION_TAG, _GRADIENT_TAG = 1, 2
+
+
 def _communicate(*, send_next: Optional[torch.Tensor], send_prev: Optional[torch.Tensor],
                  recv_prev: bool, recv_next: bool, shape: tuple, dtype: torch.dtype,
                  device: torch.device) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Send to / receive from the neighbours in one batch. Returns (from_prev, from_next)."""
     group = ps.get_pipeline_model_parallel_group()
+    prev_rank, next_rank = ps.get_pipeline_model_parallel_prev_rank(), ps.get_pipeline_model_parallel_next_rank()
     ops, from_prev, from_next = [], None, None
-    if send_prev is not None:
-        ops.append(dist.P2POp(dist.isend, send_prev.contiguous(), ps.get_pipeline_model_parallel_prev_rank(), group))
+    if send_next is not None:  # activations
+        ops.append(dist.P2POp(dist.isend, send_next.contiguous(), next_rank, group, _ACTIVATION_TAG))
     if recv_prev:
         from_prev = torch.empty(shape, dtype=dtype, device=device, requires_grad=False)
-        ops.append(dist.P2POp(dist.irecv, from_prev, ps.get_pipeline_model_parallel_prev_rank(), group))
-    if send_next is not None:
-        ops.append(dist.P2POp(dist.isend, send_next.contiguous(), ps.get_pipeline_model_parallel_next_rank(), group))
+        ops.append(dist.P2POp(dist.irecv, from_prev, prev_rank, group, _ACTIVATION_TAG))
+    if send_prev is not None:  # gradients
+        ops.append(dist.P2POp(dist.isend, send_prev.contiguous(), prev_rank, group, _GRADIENT_TAG))
     if recv_next:
         from_next = torch.empty(shape, dtype=dtype, device=device, requires_grad=False)
-        ops.append(dist.P2POp(dist.irecv, from_next, ps.get_pipeline_model_parallel_next_rank(), group))
+        ops.append(dist.P2POp(dist.irecv, from_next, next_rank, group, _GRADIENT_TAG))
     if ops:
         for request in dist.batch_isend_irecv(ops):
             request.wait()
@@ -59,6 +67,14 @@ class StageLink:
     def _go(self, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
         return _communicate(send_next=send_next, send_prev=send_prev, recv_prev=recv_prev, recv_next=recv_next,
                             shape=self.shape, dtype=self.dtype, device=self.device)
+
+    def exchange(self, send_next: Optional[torch.Tensor] = None, send_prev: Optional[torch.Tensor] = None,
+                 recv_prev: bool = False, recv_next: bool = False) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """Exactly the given sends and receives, in one batch; (from_prev, from_next). The interleaved
+        schedule decides itself which directions exist: its chunks pass activations from the last
+        stage round to the first (the ring wraps), so stage position alone does not tell."""
+        return self._go(send_next=None if send_next is None else send_next.detach(), send_prev=send_prev,
+                        recv_prev=recv_prev, recv_next=recv_next)
 
     def recv_forward(self) -> Optional[torch.Tensor]:
         """Activations from the previous stage (None on the first stage)."""

@@ -29,6 +29,8 @@ from megatron_core.checkpoint_format import (  # noqa: F401 - re-exported: the n
     flatten_model_state,
     iteration_dir,
     load_checkpoint_file,
+    model_chunks,
+    model_entries,
     nest_model_state,
     publish_iteration,
     rank_dirname,
@@ -108,6 +110,8 @@ def megatron_args(recipe, padded_vocab_size: int, *, iteration: int, consumed_tr
         tokenizer_type=recipe.tokenizer.tokenizer_type,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size, world_size=p.world_size,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size(m.num_layers),
+        num_layers_per_virtual_pipeline_stage=p.num_layers_per_virtual_pipeline_stage,
         data_parallel_size=p.data_parallel_size, sequence_parallel=p.sequence_parallel,
         use_distributed_optimizer=p.use_distributed_optimizer,
         micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size, train_iters=t.train_iters,
@@ -124,11 +128,13 @@ def megatron_args(recipe, padded_vocab_size: int, *, iteration: int, consumed_tr
 # ----------------------------------------------------------------------------------------------
 
 
-def save_checkpoint(save, iteration: int, *, model_state: dict, args: argparse.Namespace, recipe,
+def save_checkpoint(save, iteration: int, *, model_state, args: argparse.Namespace, recipe,
                     optimizer=None, scheduler=None, consumed_train_samples: int, extra: Optional[dict] = None,
                     save_optim: bool = True) -> Path:
     """Write iteration `iteration` atomically; returns the iteration directory. Collective: every
-    rank calls it (DP rank 0 of each (TP, PP) writes)."""
+    rank calls it (DP rank 0 of each (TP, PP) writes). `model_state`: the model's state dict, or
+    a list of one per virtual pipeline chunk (saved as `model0`, `model1`, ...)."""
+    chunk_states = model_state if isinstance(model_state, list) else [model_state]
     save = Path(save)
     is_global_zero = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
     if is_global_zero:
@@ -143,7 +149,7 @@ def save_checkpoint(save, iteration: int, *, model_state: dict, args: argparse.N
             "args": args,
             "checkpoint_version": CHECKPOINT_VERSION,
             "iteration": iteration,
-            "model": nest_model_state(model_state),
+            **model_entries([nest_model_state(chunk) for chunk in chunk_states]),
             "rng_state": [get_rng_state()],
             "recipe": recipe.to_dict(),
             "recipe_hash": recipe.hash,

@@ -124,8 +124,17 @@ class Trainer:
                          f"({self.state.consumed_train_samples} samples consumed)")
 
     def _load_model_weights(self, state: dict, where: Path) -> None:
+        stages = _model_chunks(self._unwrapped())
+        saved = ckpt.model_chunks(state, where)
+        if len(saved) != len(stages):
+            raise ckpt.CheckpointError(
+                f"the checkpoint in {where} holds {len(saved)} model chunk(s) per rank but this run's model has "
+                f"{len(stages)} (parallel.num_layers_per_virtual_pipeline_stage decides: virtual pipeline stages "
+                "hold non-contiguous layers); train with the checkpoint's layout, or re-split it (invoke convert, "
+                "then invoke import-hf with this run's layout)")
         try:
-            self._unwrapped().load_state_dict(ckpt.flatten_model_state(state["model"]))
+            for stage, nested in zip(stages, saved):
+                stage.load_state_dict(ckpt.flatten_model_state(nested))
         except RuntimeError as exc:  # shapes or names that do not fit this recipe's model
             first = str(exc).splitlines()
             raise ckpt.CheckpointError(f"the weights in {where} do not fit this recipe's model "
@@ -154,7 +163,8 @@ class Trainer:
                                   consumed_train_samples=s.consumed_train_samples, params_dtype=self.params_dtype)
         start = time.time()
         path = ckpt.save_checkpoint(
-            self.save_dir, s.iteration, model_state=self._unwrapped().state_dict(), args=args, recipe=self.recipe,
+            self.save_dir, s.iteration, model_state=[stage.state_dict() for stage in _model_chunks(self._unwrapped())],
+            args=args, recipe=self.recipe,
             optimizer=self.optimizer, scheduler=self.scheduler, consumed_train_samples=s.consumed_train_samples,
             extra={"train_counters": {"skipped_iterations": s.skipped_iterations,
                                       "nan_iterations": s.nan_iterations}},
@@ -314,6 +324,11 @@ class Trainer:
             self.logger.info(f"received {stopped_by}: saved checkpoint at iteration {s.iteration} to "
                              f"{summary['checkpoint']}; exiting")
         return summary
+
+
+def _model_chunks(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's chunks under virtual pipeline stages (GPTModelChunks), else [the model]."""
+    return list(getattr(module, "chunks", [module]))
 
 
 def _is_log_writer() -> bool:

@@ -1,0 +1,63 @@
+"""Virtual pipeline stages in one process: the chunks a PP rank builds, and a checkpoint whose
+chunk count does not fit the model is refused with the reason (the multi-rank proofs are in
+test_pipeline_parallel.py and test_parallel_equivalence.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_core.checkpoint_format import CheckpointError, model_entries, nest_model_state
+from megatron_core.config import recipe_from_dict
+from megatron_core.models.gpt import GPTModel, GPTModelChunks, build_gpt_model
+from megatron_core.training.trainer import Trainer
+
+
+def recipe(vpp_layers=None):
+    return recipe_from_dict({
+        "name": "vpp", "version": 1, "tokenizer": {"vocab_size": 100},
+        "model": dict(num_layers=4, hidden_size=16, num_attention_heads=2, seq_length=8, max_position_embeddings=8,
+                      make_vocab_size_divisible_by=64),
+        "parallel": dict(world_size=2, pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=vpp_layers),
+        "training": dict(micro_batch_size=1, global_batch_size=2),
+    })
+
+
+def test_a_rank_builds_megatrons_chunks_with_the_single_process_weights():
+    r = recipe(vpp_layers=1)
+    chunks = build_gpt_model(r.model, r.parallel, 128, init_seed=5)  # one process builds PP rank 0
+    whole = GPTModel(r.model, r.parallel.__class__(), 128, init_seed=5)
+    assert isinstance(chunks, GPTModelChunks) and chunks.layer_ranges == [range(0, 1), range(2, 3)]
+    assert chunks.chunks[0].pre_process and not chunks.chunks[1].pre_process
+    # A lone process answers as first and last stage, so its last chunk also holds the head here.
+    assert [c.post_process for c in chunks.chunks] == [False, True]
+    reference = dict(whole.named_parameters())
+    for name, param in chunks.named_parameters():
+        assert torch.equal(param, reference[chunks.global_parameter_name(name)]), name
+    assert isinstance(build_gpt_model(recipe().model, recipe().parallel, 128), GPTModel)
+
+
+def _load(model, state):
+    reloaded = []
+    trainer = SimpleNamespace(_unwrapped=lambda: model,
+                              optimizer=SimpleNamespace(reload_model_params=lambda: reloaded.append(True)))
+    Trainer._load_model_weights(trainer, state, "CKPT")
+    return reloaded
+
+
+def test_resume_loads_chunks_and_refuses_a_chunk_count_that_does_not_fit():
+    r = recipe(vpp_layers=1)
+    chunks = build_gpt_model(r.model, r.parallel, 128, init_seed=5)
+    saved = build_gpt_model(r.model, r.parallel, 128, init_seed=6)
+    state = model_entries([nest_model_state(c.state_dict()) for c in saved.chunks])
+    assert set(state) == {"model0", "model1"}
+    assert _load(chunks, state) == [True]
+    for mine, theirs in zip(chunks.parameters(), saved.parameters()):
+        assert torch.equal(mine, theirs)
+    plain = build_gpt_model(recipe().model, recipe().parallel, 128)
+    with pytest.raises(CheckpointError, match="holds 2 model chunk\\(s\\) per rank but this run's model has 1"):
+        _load(plain, state)
+    with pytest.raises(CheckpointError, match="holds 1 model chunk\\(s\\) per rank but this run's model has 2"):
+        _load(chunks, {"model": nest_model_state(plain.state_dict())})
