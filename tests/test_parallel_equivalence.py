@@ -242,6 +242,7 @@ def train_entry_point(layout: Layout, run_root: str) -> Optional[dict[int, float
 def first_step_grads(layout: Layout) -> dict:
     """The gradients one forward_backward leaves (the schedule of this layout, grad sync and
     finalize_model_grads included, before any optimizer step), under their global names."""
+    from megatron_core.distributed.grad_sync import gradient
     from megatron_core.pipeline_parallel import get_forward_backward_func
     from megatron_core.training.data_iterators import batch_iterator
     from megatron_core.training.trainer import gpt_forward_step
@@ -261,7 +262,7 @@ def first_step_grads(layout: Layout) -> dict:
         for name, param in module.named_parameters():
             dim = param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
             summary["params"].setdefault(module.global_parameter_name(name), []).append(
-                (param.grad.detach().clone(), dim, tp_rank))
+                (gradient(param).detach().clone(), dim, tp_rank))
         return summary
     finally:
         ps.destroy_model_parallel()
