@@ -5,16 +5,20 @@ single-process run's losses; plus the command builder's flags and its refusals."
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 from distributed_utils import free_port
 from megatron_core.launch import LaunchError, torchrun_command
 from megatron_core.training.logging import read_metrics
 from training_fixtures import TINY_OVERRIDES, VOCAB_SIZE, train_losses, write_corpus
 
+ROOT = Path(__file__).resolve().parent.parent
 OVERRIDES = [*TINY_OVERRIDES, "hidden_dropout=0.0", "attention_dropout=0.0", "train_iters=6", "eval_interval=100",
              "eval_iters=1", "save_interval=null", "global_batch_size=4", "micro_batch_size=2"]
 
@@ -114,3 +118,58 @@ def test_slurm_template_starts_one_invoke_train_per_node(tmp_path):
         assert call.startswith("invoke train --recipe codeparrot-small-8gpu")
         assert (f"--nproc 8 --nnodes 2 --node-rank {node} --master-addr gpu-a --master-port 32345 --set lr=1e-4"
                 in call), call
+
+
+def _invoke_train(workdir, *flags) -> list[str]:
+    return [sys.executable, "-m", "invoke", "train", "--recipe", "smoke", "--workdir", str(workdir),
+            "--set", "world_size=2", "--set", "tensor_model_parallel_size=2", "--set", "train_iters=6",
+            "--set", "save_interval=6", "--set", "eval_interval=100", *flags]
+
+
+def test_two_nodes_without_a_shared_filesystem(tmp_path):
+    """Two `invoke train --nnodes 2 --node-rank r` on 127.0.0.1, each in its own --workdir: each node
+    builds corpus, tokenizer, .bin/.idx and dataset indices itself, writes its own ranks' checkpoint
+    files, and the losses equal one node running the same TP 2 layout; gathered into one directory,
+    the two nodes' files are the one node's checkpoint."""
+    from megatron_core import workflow
+    from megatron_core.config import load_recipe
+    from megatron_core.convert.shards import read_checkpoint
+
+    recipe = load_recipe("smoke", ["world_size=2", "tensor_model_parallel_size=2", "train_iters=6", "save_interval=6",
+                                   "eval_interval=100"])
+    one = subprocess.run(_invoke_train(tmp_path / "one-node"), cwd=ROOT, env=_env(), capture_output=True, text=True,
+                         timeout=300)
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
+
+    port = free_port()
+    nodes = [subprocess.Popen(_invoke_train(tmp_path / f"node{rank}", "--nproc", "1", "--nnodes", "2", "--node-rank",
+                                            str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port)),
+                              cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in (0, 1)]
+    outputs = []
+    try:
+        for node in nodes:
+            outputs.append(node.communicate(timeout=300)[0])
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    for rank, (node, out) in enumerate(zip(nodes, outputs)):
+        assert node.returncode == 0, f"node {rank} failed:\n{out[-3000:]}"
+
+    runs = {name: workflow.run_dir(recipe, tmp_path / name) for name in ("one-node", "node0", "node1")}
+    expected, got = train_losses(read_metrics(runs["one-node"])), train_losses(read_metrics(runs["node0"]))
+    assert sorted(got) == sorted(expected) and got == pytest.approx(expected, rel=1e-6)
+
+    # Each node holds its own TP rank's file; gathered, they are the one-node checkpoint.
+    held = {name: sorted(p.name for p in (runs[name] / "checkpoints" / "iter_0000006").iterdir())
+            for name in ("node0", "node1")}
+    assert held == {"node0": ["mp_rank_00"], "node1": ["mp_rank_01"]}
+    gathered = tmp_path / "gathered"
+    shutil.copytree(runs["node0"] / "checkpoints", gathered)
+    shutil.copytree(runs["node1"] / "checkpoints" / "iter_0000006" / "mp_rank_01",
+                    gathered / "iter_0000006" / "mp_rank_01")
+    merged, reference = read_checkpoint(gathered), read_checkpoint(runs["one-node"] / "checkpoints")
+    assert merged.state.keys() == reference.state.keys()
+    for name, tensor in reference.state.items():
+        assert torch.allclose(merged.state[name], tensor, rtol=1e-6, atol=1e-7), name

@@ -359,19 +359,27 @@ class IndexCache:
 BUILD_COUNTER = {"gpt": 0, "blend": 0}
 
 
+def _node_builder() -> bool:
+    """Local rank 0 of every node builds: nodes need not share a filesystem (on a shared one two
+    nodes may build the same files at once: each writes under its own temporary name and renames
+    identical, deterministic bytes into place)."""
+    return int(os.environ.get("LOCAL_RANK", _rank())) == 0
+
+
 def load_or_build(cache: IndexCache, build, what: str) -> Dict[str, np.ndarray]:
-    """Rank 0 builds and saves what the cache lacks; after a barrier every rank memory-maps it."""
+    """Each node's local rank 0 builds and saves what the cache lacks; after a barrier every rank
+    memory-maps it."""
     if cache.cache_dir is None:
         log(f"{what}: no cache_dir, building in memory (nothing saved)")
         return _timed_build(functools.partial(build, sink=None), what)
-    if _rank() == 0 and not cache.is_complete():
+    if _node_builder() and not cache.is_complete():
         arrays = _timed_build(functools.partial(build, sink=cache.save_array), what)
         cache.save(arrays)
         log(f"{what}: saved {cache.base}-*.npy in {cache.cache_dir}")
     if _distributed():
         torch.distributed.barrier()
     if not cache.is_complete():
-        raise RuntimeError(f"{what}: index files {cache.base}-* missing in {cache.cache_dir} after rank 0 built them")
+        raise RuntimeError(f"{what}: index files {cache.base}-* missing in {cache.cache_dir} after this node built them")
     if _rank() == 0:
         log(f"{what}: memory-mapping {cache.base}-*.npy")
     return cache.load()

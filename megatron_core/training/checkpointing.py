@@ -8,6 +8,7 @@ at a barrier, global rank 0 publishes the iteration (directory into place, then 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import shutil
 from pathlib import Path
@@ -136,8 +137,11 @@ def save_checkpoint(save, iteration: int, *, model_state, args: argparse.Namespa
     a list of one per virtual pipeline chunk (saved as `model0`, `model1`, ...)."""
     chunk_states = model_state if isinstance(model_state, list) else [model_state]
     save = Path(save)
-    is_global_zero = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-    if is_global_zero:
+    distributed = dist.is_available() and dist.is_initialized()
+    is_global_zero = not distributed or dist.get_rank() == 0
+    # Nodes need not share a filesystem: local rank 0 of each node looks after its own copy of `save`.
+    is_node_zero = int(os.environ.get("LOCAL_RANK", dist.get_rank() if distributed else 0)) == 0
+    if is_node_zero:
         shutil.rmtree(staging_dir(save, iteration), ignore_errors=True)  # leftovers of a save killed midway
     _barrier()
     # The distributed optimizer gathers its shards to DP rank 0 (collective: every DP rank joins).
@@ -167,6 +171,11 @@ def save_checkpoint(save, iteration: int, *, model_state, args: argparse.Namespa
     _barrier()
     final_dir = iteration_dir(save, iteration)
     if is_global_zero:
+        publish_iteration(save, iteration)
+    _barrier()
+    # On a shared filesystem rank 0 has published every file; a node with its own disk still holds
+    # its ranks' files in staging and publishes them there (gathered in one directory, they load).
+    if is_node_zero and not is_global_zero and staging_dir(save, iteration).is_dir():
         publish_iteration(save, iteration)
     _barrier()
     return final_dir
