@@ -22,23 +22,12 @@ from megatron_core.pretrain_gpt import train
 from megatron_core import checkpoint_format
 from megatron_core.training import checkpointing as ckpt
 from megatron_core.training.logging import read_metrics
-from training_fixtures import VOCAB_SIZE, tiny_recipe, train_losses, write_corpus
+from training_fixtures import VOCAB_SIZE, corpus, one_thread, tiny_recipe, train_losses, write_corpus  # noqa: F401 - fixtures
 
 TESTS_DIR = Path(__file__).resolve().parent
 ITERS = 16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the same as the subprocess runs: losses are compared bit for bit
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("data") / "corpus")
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,23 @@ def _env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
+def _run_nodes(commands: list[list[str]], **popen) -> list[str]:
+    """Start every node's command at once (they rendezvous), wait, and return each one's output."""
+    nodes = [subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+             for cmd in commands]
+    outputs = []
+    try:
+        for node in nodes:
+            outputs.append(node.communicate(timeout=300)[0])
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    for rank, (node, out) in enumerate(zip(nodes, outputs)):
+        assert node.returncode == 0, f"node {rank} failed:\n{out[-3000:]}"
+    return outputs
+
+
 def _extra(prefix: str, run_dir) -> list[str]:
     return ["--data-path", prefix, "--vocab-size", str(VOCAB_SIZE), "--run-dir", str(run_dir)]
 
@@ -40,21 +57,9 @@ def test_two_node_data_parallel_matches_single_process(tmp_path):
     assert single.returncode == 0, single.stderr[-3000:]
 
     port = free_port()
-    nodes = [subprocess.Popen(torchrun_command("smoke", OVERRIDES, 1, nnodes=2, node_rank=rank,
-                                               master_addr="127.0.0.1", master_port=port,
-                                               extra_args=_extra(prefix, multi_dir)),
-                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in (0, 1)]
-    outputs = []
-    try:
-        for node in nodes:
-            outputs.append(node.communicate(timeout=180)[0])
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                node.kill()
-    for rank, (node, out) in enumerate(zip(nodes, outputs)):
-        assert node.returncode == 0, f"node {rank} failed:\n{out[-3000:]}"
+    outputs = _run_nodes([torchrun_command("smoke", OVERRIDES, 1, nnodes=2, node_rank=rank, master_addr="127.0.0.1",
+                                           master_port=port, extra_args=_extra(prefix, multi_dir))
+                          for rank in (0, 1)])
     assert "DP 2" in outputs[0] and "backend gloo, world size 2" in outputs[0]
 
     expected, got = train_losses(read_metrics(single_dir)), train_losses(read_metrics(multi_dir))
@@ -142,20 +147,8 @@ def test_two_nodes_without_a_shared_filesystem(tmp_path):
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
 
     port = free_port()
-    nodes = [subprocess.Popen(_invoke_train(tmp_path / f"node{rank}", "--nproc", "1", "--nnodes", "2", "--node-rank",
-                                            str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port)),
-                              cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in (0, 1)]
-    outputs = []
-    try:
-        for node in nodes:
-            outputs.append(node.communicate(timeout=300)[0])
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                node.kill()
-    for rank, (node, out) in enumerate(zip(nodes, outputs)):
-        assert node.returncode == 0, f"node {rank} failed:\n{out[-3000:]}"
+    _run_nodes([_invoke_train(tmp_path / f"node{rank}", "--nproc", "1", "--nnodes", "2", "--node-rank", str(rank),
+                              "--master-addr", "127.0.0.1", "--master-port", str(port)) for rank in (0, 1)], cwd=ROOT)
 
     runs = {name: workflow.run_dir(recipe, tmp_path / name) for name in ("one-node", "node0", "node1")}
     expected, got = train_losses(read_metrics(runs["one-node"])), train_losses(read_metrics(runs["node0"]))

@@ -43,17 +43,22 @@ class ToyStage(torch.nn.Module):
         return out.pow(2).mean(dim=-1).t() if self.last else out  # [b, s] "per-token loss" on the last stage
 
 
-def single_process_grads(num_microbatches: int):
-    weights = [w.clone().requires_grad_(True) for w in stage_weights()]
+def backward_through_chain(weights: list[torch.Tensor], num_microbatches: int):
+    """(grads, losses) of the single-process chain tanh(h W^T) over the micro batches."""
+    weights = [w.clone().requires_grad_(True) for w in weights]
     losses = []
     for i in range(num_microbatches):
         h = micro_batch(i)
         for w in weights:
             h = torch.tanh(h @ w.t())
         loss = h.pow(2).mean()
-        losses.append(loss.item() if not loss.requires_grad else float(loss.detach()))
+        losses.append(float(loss.detach()))
         (loss / num_microbatches).backward()
     return [w.grad for w in weights], losses
+
+
+def single_process_grads(num_microbatches: int):
+    return backward_through_chain(stage_weights(), num_microbatches)
 
 
 def run_schedules(micro_batch_counts: list[int]) -> list[dict]:
@@ -152,16 +157,7 @@ def chain_weights(stages: int) -> list[torch.Tensor]:
 
 
 def chain_grads(stages: int, num_microbatches: int):
-    weights = [w.clone().requires_grad_(True) for w in chain_weights(stages)]
-    losses = []
-    for i in range(num_microbatches):
-        h = micro_batch(i)
-        for w in weights:
-            h = torch.tanh(h @ w.t())
-        loss = h.pow(2).mean()
-        losses.append(float(loss.detach()))
-        (loss / num_microbatches).backward()
-    return [w.grad for w in weights], losses
+    return backward_through_chain(chain_weights(stages), num_microbatches)
 
 
 def run_interleaved(pp: int, v: int, micro_batch_counts: list[int]) -> dict:

@@ -13,7 +13,7 @@ from megatron_core import checkpoint_format
 from megatron_core.pretrain_gpt import train
 from megatron_core.training import checkpointing as ckpt
 from megatron_core.training.logging import read_metrics
-from training_fixtures import VOCAB_SIZE, tiny_recipe, train_losses, write_corpus
+from training_fixtures import VOCAB_SIZE, corpus, one_thread, tiny_recipe, train_losses, write_corpus  # noqa: F401 - fixtures
 
 PRECISIONS = {"fp32": (), "bf16": ("bf16=true",), "fp16": ("fp16=true", "initial_loss_scale=1024")}
 ITERS, AT = 20, 12  # the runs are 20 iterations long; continuations start from the checkpoint at 12
@@ -21,17 +21,6 @@ COMMON = (f"train_iters={ITERS}", f"save_interval={AT}", "eval_iters=0", "hidden
           "lr=3e-2", "min_lr=1e-3")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("data") / "corpus")
 
 
 def _recipe(precision: str):

@@ -12,21 +12,9 @@ from megatron_core.errors import UserError
 from megatron_core.pretrain_gpt import main as train_main
 from megatron_core.pretrain_gpt import train
 from megatron_core.training.logging import read_metrics
-from training_fixtures import VOCAB_SIZE, tiny_recipe, train_losses, write_corpus
+from training_fixtures import VOCAB_SIZE, corpus, one_thread, tiny_recipe, train_losses, write_corpus  # noqa: F401 - fixtures
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("data") / "corpus")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Losses are compared bit for bit: every run of this module uses the same thread count."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

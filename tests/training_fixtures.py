@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
+import torch
 
 from megatron_core.config import load_recipe
 from megatron_core.data.indexed_dataset import IndexedDatasetBuilder
@@ -41,3 +43,19 @@ def tiny_recipe(*overrides: str):
 
 def train_losses(metrics: list[dict], kind: str = "train") -> dict[int, float]:
     return {m["iteration"]: m["lm_loss"] for m in metrics if m["type"] == kind}
+
+
+# Fixtures for the modules that train (import them by name: `from training_fixtures import corpus, one_thread`).
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Losses are compared bit for bit: every run of a module (and its subprocesses) uses one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("data") / "corpus")
