@@ -250,10 +250,14 @@ def import_hf(c, model, save, tp=1, pp=1, overwrite=False):
     "num_samples": "HumanEval samples per problem (default: the recipe's)",
     "temperature": "HumanEval sampling temperature", "top_p": "HumanEval nucleus top-p",
     "max_new_tokens": "HumanEval tokens per completion", "problems": "only the first N HumanEval problems",
+    "device": "auto | cpu | cuda | cuda:N | cuda:all (default: a GPU when there is one)",
+    "dtype": "auto | fp32 | fp16 | bf16 (default: the recipe's precision on a GPU, fp32 on a CPU)",
+    "generation_batch": "HumanEval rows per generation batch (default: what GPU memory holds; 16 on a CPU)",
+    "workers": "sandboxed samples run at once (default: the CPU count)",
 })
 def evaluate(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, model=None, humaneval=False,
              allow_code_execution=False, num_samples=None, temperature=None, top_p=None, max_new_tokens=None,
-             problems=None):
+             problems=None, device="auto", dtype="auto", generation_batch=None, workers=None):
     """Perplexity on the valid/test splits, and HumanEval pass@k when asked."""
     from megatron_core.evaluate import evaluate as run_evaluate
 
@@ -263,7 +267,8 @@ def evaluate(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, model
                            humaneval=humaneval or None, allow_code_execution=allow_code_execution,
                            num_samples=_number(num_samples, int), temperature=_number(temperature, float),
                            top_p=_number(top_p, float), max_new_tokens=_number(max_new_tokens, int),
-                           problems=_number(problems, int))
+                           problems=_number(problems, int), device=device, dtype=dtype,
+                           generation_batch=_number(generation_batch, int), workers=_number(workers, int))
     summary = {k: v for k, v in results.items() if k.startswith("pass@")}
     summary.update({f"{split}_{m}": r[m] for split, r in results.get("perplexity", {}).items() for m in ("loss", "ppl")})
     print(json.dumps(summary, indent=2))

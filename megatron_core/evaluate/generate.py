@@ -1,8 +1,14 @@
-"""Our decoder: greedy or temperature + top-p sampling, with stop sequences, for any logits function.
+"""Our decoders: greedy or temperature + top-p sampling, with stop sequences and EOS.
 
-`model_fn(input_ids [b, s]) -> logits [b, s, V]` (our MegatronCausalLM, or `lambda x: hf(x).logits`).
-No KV cache: each step runs the whole (window-truncated) context. Enough for evaluation of small
-models on a CPU; the HF path can use `hf.generate` where speed matters.
+`generate_cached` is the one evaluation uses: a transformers causal LM (GPT2LMHeadModel) with its
+KV cache, several prompts and many samples per prompt in one batch (left-padded), each prompt's
+context computed once and shared by its samples, finished samples dropped from the batch.
+`generate` recomputes the whole context for every new token through any logits function
+(`model_fn(input_ids [b, s]) -> logits [b, s, V]`): the slow reference the cached decoder is
+tested against, and the way to sample our own GPTModel directly.
+
+Sampling draws from explicit uniforms (inverse CDF): sample i's t-th token uses uniforms[i, t].
+A caller that seeds those per problem gets the same samples however the rows are batched.
 """
 
 from __future__ import annotations
@@ -37,14 +43,19 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
-def next_tokens(logits: torch.Tensor, cfg: SamplingConfig, generator: Optional[torch.Generator]) -> torch.Tensor:
+def sample_tokens(logits: torch.Tensor, cfg: SamplingConfig, uniforms: Optional[torch.Tensor]) -> torch.Tensor:
+    """logits [b, V] -> token ids [b]: argmax when greedy, else the inverse CDF of the temperature-scaled,
+    top-p filtered distribution at `uniforms` [b] (values in [0, 1))."""
     logits = logits.float()
     if cfg.vocab_limit is not None:
         logits[:, cfg.vocab_limit:] = float("-inf")
     if cfg.temperature <= 0:
         return logits.argmax(dim=-1)
-    logits = top_p_filter(logits / cfg.temperature, cfg.top_p)
-    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
+    probs = top_p_filter(logits / cfg.temperature, cfg.top_p).softmax(dim=-1)
+    cdf = probs.double().cumsum(dim=-1)
+    target = uniforms.to(cdf.device, torch.float64)[:, None] * cdf[:, -1:]
+    # the first token whose cumulative mass exceeds the target: never one of probability zero
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
 
 
 def truncate_at_stop(text: str, stop_sequences: Sequence[str]) -> tuple[str, bool]:
@@ -52,29 +63,96 @@ def truncate_at_stop(text: str, stop_sequences: Sequence[str]) -> tuple[str, boo
     return (text[:cut], True) if cut >= 0 else (text, False)
 
 
+class _Samples:
+    """The growing samples of a batch: new tokens per row, which rows are still going (EOS, stops)."""
+
+    def __init__(self, rows: int, cfg: SamplingConfig, decode: Optional[Callable[[list], str]]) -> None:
+        self.tokens: list[list[int]] = [[] for _ in range(rows)]
+        self.cfg, self.decode = cfg, decode
+
+    def add(self, rows: Sequence[int], tokens: Sequence[int]) -> list[int]:
+        """Append each row's token; returns the positions (in `rows`) of the rows that go on."""
+        going = []
+        for position, (row, t) in enumerate(zip(rows, tokens)):
+            if self.cfg.eos_token_id is not None and t == self.cfg.eos_token_id:
+                continue
+            self.tokens[row].append(t)
+            if self.decode is not None and self.cfg.stop_sequences and \
+                    truncate_at_stop(self.decode(self.tokens[row]), self.cfg.stop_sequences)[1]:
+                continue
+            going.append(position)
+        return going
+
+
+def _uniforms(uniforms: Optional[torch.Tensor], rows: int, cfg: SamplingConfig) -> Optional[torch.Tensor]:
+    if cfg.temperature <= 0:
+        return None
+    if uniforms is None:
+        return torch.rand((rows, cfg.max_new_tokens), dtype=torch.float64)
+    if tuple(uniforms.shape) != (rows, cfg.max_new_tokens):
+        raise ValueError(f"uniforms must be [{rows}, {cfg.max_new_tokens}], got {list(uniforms.shape)}")
+    return uniforms
+
+
 @torch.no_grad()
 def generate(model_fn: Callable[[torch.Tensor], torch.Tensor], prompt_ids: Sequence[int], cfg: SamplingConfig,
              num_samples: int = 1, decode: Optional[Callable[[list], str]] = None,
-             generator: Optional[torch.Generator] = None) -> list[list[int]]:
-    """`num_samples` continuations of one prompt (batched), each cut at EOS; with `decode` and stop
-    sequences, a sample stops growing once its decoded text holds a stop sequence (the caller cuts
-    the text with truncate_at_stop)."""
+             uniforms: Optional[torch.Tensor] = None) -> list[list[int]]:
+    """`num_samples` continuations of one prompt by full recompute, each cut at EOS; with `decode` and
+    stop sequences, a sample stops growing once its decoded text holds a stop sequence (the caller
+    cuts the text with truncate_at_stop). `uniforms` [num_samples, max_new_tokens] drive sampling."""
+    uniforms = _uniforms(uniforms, num_samples, cfg)
     ids = torch.tensor([list(prompt_ids)] * num_samples, dtype=torch.long)
-    new: list[list[int]] = [[] for _ in range(num_samples)]
-    done = [False] * num_samples
-    for _ in range(cfg.max_new_tokens):
+    samples = _Samples(num_samples, cfg, decode)
+    going = set(range(num_samples))
+    for step in range(cfg.max_new_tokens):
         context = ids if cfg.context_window is None else ids[:, -cfg.context_window:]
-        token = next_tokens(model_fn(context)[:, -1, :], cfg, generator)
+        token = sample_tokens(model_fn(context)[:, -1, :], cfg, None if uniforms is None else uniforms[:, step])
         ids = torch.cat([ids, token[:, None]], dim=1)
-        for i, t in enumerate(token.tolist()):
-            if done[i]:
-                continue
-            if cfg.eos_token_id is not None and t == cfg.eos_token_id:
-                done[i] = True
-                continue
-            new[i].append(t)
-            if decode is not None and cfg.stop_sequences and truncate_at_stop(decode(new[i]), cfg.stop_sequences)[1]:
-                done[i] = True
-        if all(done):
+        rows = sorted(going)
+        going = {rows[i] for i in samples.add(rows, token[rows].tolist())}
+        if not going:
             break
-    return new
+    return samples.tokens
+
+
+@torch.no_grad()
+def generate_cached(model, prompts: Sequence[Sequence[int]], counts: Sequence[int], cfg: SamplingConfig,
+                    decode: Optional[Callable[[list], str]] = None,
+                    uniforms: Optional[torch.Tensor] = None) -> list[list[int]]:
+    """`counts[i]` samples of `prompts[i]` (token ids), in one batch through `model`'s KV cache.
+    Rows come back prompt by prompt; `uniforms` [sum(counts), max_new_tokens] drive sampling.
+    The caller keeps len(prompt) + max_new_tokens within the model's positions."""
+    device = next(model.parameters()).device
+    total = sum(counts)
+    uniforms = _uniforms(uniforms, total, cfg)
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):  # left padding: every prompt ends at the last column
+        ids[i, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+    expand = torch.repeat_interleave(torch.arange(len(prompts)), torch.as_tensor(list(counts))).to(device)
+    cache = out.cache
+    cache.batch_select_indices(expand)  # each prompt's context once, shared by its samples
+    logits, mask, position = out.logits[expand, -1], mask[expand], positions[expand, -1:] + 1
+    samples = _Samples(total, cfg, decode)
+    rows = torch.arange(total)
+    for step in range(cfg.max_new_tokens):
+        token = sample_tokens(logits, cfg, None if uniforms is None else uniforms[rows, step])
+        going = samples.add(rows.tolist(), token.tolist())
+        if not going or step == cfg.max_new_tokens - 1:
+            break
+        if len(going) < len(rows):  # finished samples leave the batch
+            keep = torch.as_tensor(going)
+            rows, keep_dev = rows[keep], keep.to(device)
+            cache.batch_select_indices(keep_dev)
+            token, mask, position = token[keep_dev], mask[keep_dev], position[keep_dev]
+        mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)
+        out = model(input_ids=token[:, None], attention_mask=mask, position_ids=position, cache=cache,
+                    use_cache=True)
+        cache, logits, position = out.cache, out.logits[:, -1], position + 1
+    return samples.tokens
