@@ -32,30 +32,24 @@ class SamplingConfig:
     context_window: Optional[int] = None  # keep only the last N tokens as input
 
 
-def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of tokens whose probability sums to >= top_p (at least one)."""
-    if top_p >= 1.0:
-        return logits
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    probs = sorted_logits.softmax(dim=-1)
-    drop = probs.cumsum(dim=-1) - probs >= top_p  # mass before this token already reaches top_p
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-
-
 def sample_tokens(logits: torch.Tensor, cfg: SamplingConfig, uniforms: Optional[torch.Tensor]) -> torch.Tensor:
-    """logits [b, V] -> token ids [b]: argmax when greedy, else the inverse CDF of the temperature-scaled,
-    top-p filtered distribution at `uniforms` [b] (values in [0, 1))."""
+    """logits [b, V] -> token ids [b]: argmax when greedy; else, over the tokens sorted by probability
+    (temperature-scaled), the nucleus is the smallest prefix whose mass reaches top_p (at least one
+    token), and the token is the nucleus's inverse CDF at `uniforms` [b] (values in [0, 1)). All in
+    the sorted order: one sort, one softmax, one cumulative sum per step, no scatter back."""
     logits = logits.float()
     if cfg.vocab_limit is not None:
         logits[:, cfg.vocab_limit:] = float("-inf")
     if cfg.temperature <= 0:
         return logits.argmax(dim=-1)
-    probs = top_p_filter(logits / cfg.temperature, cfg.top_p).softmax(dim=-1)
-    cdf = probs.double().cumsum(dim=-1)
-    target = uniforms.to(cdf.device, torch.float64)[:, None] * cdf[:, -1:]
-    # the first token whose cumulative mass exceeds the target: never one of probability zero
-    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
+    sorted_logits, order = (logits / cfg.temperature).sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1).double()
+    cdf = probs.cumsum(dim=-1)
+    # a token is in the nucleus when the mass before it is still short of top_p; never one of probability 0
+    size = ((cdf - probs < cfg.top_p) & (probs > 0)).sum(dim=-1, keepdim=True).clamp_(min=1)
+    target = uniforms.to(cdf.device, torch.float64)[:, None] * cdf.gather(-1, size - 1)
+    index = torch.minimum(torch.searchsorted(cdf, target, right=True), size - 1)
+    return order.gather(-1, index).squeeze(-1)
 
 
 def truncate_at_stop(text: str, stop_sequences: Sequence[str]) -> tuple[str, bool]:
