@@ -376,6 +376,17 @@ def bench_train(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, it
     _bench_exit(_bench_module("train").main(argv))
 
 
+@task(name="eval", help={"problems": "HumanEval prompts", "samples": "samples per prompt",
+                         "batch": "samples per batch (both sides)", "max_new_tokens": "tokens per sample",
+                         "repeats": "interleaved rounds", "threads": "torch threads (default: torch's choice)",
+                         "device": "cpu | cuda | cuda:N"})
+def bench_eval(c, problems=2, samples=8, batch=8, max_new_tokens=192, repeats=2, threads=0, device="cpu"):
+    """HumanEval generation tokens/s of evaluate's KV-cached sampler vs transformers' generate; JSON to bench/results/."""
+    _bench_exit(_bench_module("eval").main(["--problems", str(problems), "--samples", str(samples), "--batch",
+                                            str(batch), "--max-new-tokens", str(max_new_tokens), "--repeats",
+                                            str(repeats), "--threads", str(threads), "--device", device]))
+
+
 @task(name="kernels", help={"dtype": "bf16 | fp16 | fp32", "iters": "timed iterations per kernel"})
 def bench_kernels(c, dtype="bf16", iters=50):
     """Each fusion on CUDA: GB/s against copy bandwidth and speedup over eager; says so and exits 0 on a CPU."""
@@ -446,6 +457,6 @@ def ci_golden(c, recipe="smoke", workdir=DEFAULT_WORKDIR, update=False, set_=Non
 
 
 ns = Collection(recipes, corpus, tokenizer, preprocess, train, convert, import_hf, evaluate, pipeline, doctor)
-ns.add_collection(Collection("bench", bench_preprocess, bench_dataset, bench_train, bench_kernels))
+ns.add_collection(Collection("bench", bench_preprocess, bench_dataset, bench_train, bench_eval, bench_kernels))
 ns.add_collection(Collection("docker", docker_build, docker_run))
 ns.add_collection(Collection("ci", ci_golden))
