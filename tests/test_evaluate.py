@@ -271,3 +271,24 @@ def test_a_tokenizer_that_cannot_encode_the_prompts_is_refused(eval_setup, tmp_p
         evaluate(recipe, hf_dir, tokenizer=tok, workdir=root, out_dir=tmp_path / "ev", humaneval=True,
                  allow_code_execution=True, problems=1, num_samples=100)
     assert "\n" not in str(info.value) and not (tmp_path / "ev").exists()
+
+
+def test_out_of_memory_halves_the_batch_and_samples_the_same(eval_setup, monkeypatch):
+    import megatron_core.evaluate.runner as runner
+    from megatron_core.evaluate.humaneval import HumanEvalSettings, load_problems
+
+    _, _, hf_dir, _ = eval_setup
+    loaded = runner.load_for_evaluation(str(hf_dir))
+    settings = HumanEvalSettings(num_samples=4, max_new_tokens=5, temperature=0.8, k=[1])
+    prompts = [p["prompt"] for p in load_problems(2)]
+    expected = runner.HumanEvalSampler(loaded, settings, batch=2)(prompts, 4)
+    real = runner.generate_cached
+
+    def small_memory(model, prompt_ids, counts, *args, **kwargs):
+        if sum(counts) > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(model, prompt_ids, counts, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "generate_cached", small_memory)
+    sampler = runner.HumanEvalSampler(loaded, settings, batch=8)
+    assert sampler(prompts, 4) == expected and sampler.batch == 2

@@ -117,9 +117,10 @@ def generate_cached(model, prompts: Sequence[Sequence[int]], counts: Sequence[in
     """`counts[i]` samples of `prompts[i]` (token ids), in one batch through `model`'s KV cache.
     Rows come back prompt by prompt; `uniforms` [sum(counts), max_new_tokens] drive sampling.
     The caller keeps len(prompt) + max_new_tokens within the model's positions."""
-    device = next(model.parameters()).device
+    device = next(model.parameters()).device  # the embedding's; a spread model moves activations itself
     total = sum(counts)
     uniforms = _uniforms(uniforms, total, cfg)
+    uniforms = None if uniforms is None else uniforms.to(device)
     width = max(len(p) for p in prompts)
     ids = torch.zeros((len(prompts), width), dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -129,7 +130,8 @@ def generate_cached(model, prompts: Sequence[Sequence[int]], counts: Sequence[in
     ids, mask = ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
-    expand = torch.repeat_interleave(torch.arange(len(prompts)), torch.as_tensor(list(counts))).to(device)
+    # Row indices stay on the CPU: they index tensors on any GPU (a cache spread over several included).
+    expand = torch.repeat_interleave(torch.arange(len(prompts)), torch.as_tensor(list(counts)))
     cache = out.cache
     cache.batch_select_indices(expand)  # each prompt's context once, shared by its samples
     logits, mask, position = out.logits[expand, -1], mask[expand], positions[expand, -1:] + 1
@@ -142,9 +144,8 @@ def generate_cached(model, prompts: Sequence[Sequence[int]], counts: Sequence[in
             break
         if len(going) < len(rows):  # finished samples leave the batch
             keep = torch.as_tensor(going)
-            rows, keep_dev = rows[keep], keep.to(device)
-            cache.batch_select_indices(keep_dev)
-            token, mask, position = token[keep_dev], mask[keep_dev], position[keep_dev]
+            cache.batch_select_indices(keep)
+            rows, token, mask, position = rows[keep], token[keep], mask[keep], position[keep]
         mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)
         out = model(input_ids=token[:, None], attention_mask=mask, position_ids=position, cache=cache,
                     use_cache=True)

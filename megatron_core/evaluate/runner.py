@@ -218,12 +218,14 @@ class HumanEvalSampler:
             try:
                 tokens += generate_cached(self.loaded.model, [ids[i] for i in members], [chunk.count(i) for i in members],
                                           self.cfg, decode=tok.decode, uniforms=uniforms[start:stop])
+                continue
             except torch.OutOfMemoryError:
                 if self.batch == 1:
                     raise
-                self.batch //= 2
-                torch.cuda.empty_cache()
-                print(f"humaneval: out of memory; generation batch now {self.batch} rows", flush=True)
+            # out of the except block, so the failed batch's tensors are free: retry with half the rows
+            self.batch //= 2
+            torch.cuda.empty_cache()
+            print(f"humaneval: out of GPU memory; generation batch now {self.batch} rows", flush=True)
         texts = [tok.decode(t) for t in tokens]
         return [texts[i * n:(i + 1) * n] for i in range(len(prompts))], sum(map(len, tokens))
 
