@@ -173,13 +173,14 @@ def check_prompts(loaded: LoadedModel, problems: list[dict]) -> None:
 
 
 def auto_batch(loaded: LoadedModel, settings: HumanEvalSettings) -> int:
-    """Rows per generation batch: 16 on a CPU; on a GPU as many as half its free memory holds (KV cache over
-    the whole context + fp32 logits, sort and CDF over the vocabulary per row), at most 1024."""
+    """Rows per generation batch: 16 on a CPU; on a GPU as many as half its free memory holds, at most 1024.
+    A row holds its KV cache over the whole context, and per step about 48 bytes per vocabulary entry
+    (fp32 logits and their sorted copy, int64 order, float64 probabilities and CDF, masks)."""
     if loaded.placement.device.type != "cuda":
         return 16
     config = loaded.model.config
     itemsize = torch.finfo(loaded.placement.dtype).bits // 8
-    per_row = 2 * config.n_layer * loaded.context_window * config.n_embd * itemsize + 6 * 4 * config.vocab_size
+    per_row = 2 * config.n_layer * loaded.context_window * config.n_embd * itemsize + 48 * config.vocab_size
     free, _ = torch.cuda.mem_get_info(loaded.placement.device)
     return max(1, min(1024, int(free // 2 // per_row)))
 
