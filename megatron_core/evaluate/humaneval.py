@@ -114,7 +114,7 @@ class _Progress:
         rate = self.samples / self.seconds
         self.bar.set_postfix_str(f"{rate:.1f} samples/s, {self.new_tokens / self.seconds:.0f} tokens/s")
         left = self.todo * self.settings.num_samples - self.samples
-        if not self.estimated and left and (self.seconds >= 10 or self.samples >= 4 * self.settings.num_samples):
+        if not self.estimated and left > 0 and (self.seconds >= 10 or self.samples >= 4 * self.settings.num_samples):
             self.estimated = True
             self.bar.write(f"humaneval: estimate {_duration(left / rate)} more for {left} samples at "
                            f"{rate:.1f} samples/s ({self.new_tokens / self.seconds:.0f} tokens/s so far)")
