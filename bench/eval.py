@@ -63,7 +63,8 @@ def make_model(root: Path, vocab_size: int, seed: int):
     (root / "tokenizer").mkdir()
     tokenizer.save_model(str(root / "tokenizer"))
     vocab, merges = root / "tokenizer" / "vocab.json", root / "tokenizer" / "merges.txt"
-    recipe = recipe_from_dict({"name": "bench-eval", "version": 1, "model": MODEL, "tokenizer": {"vocab_size": vocab_size},
+    recipe = recipe_from_dict({"name": "bench-eval", "version": 1, "model": MODEL,
+                               "tokenizer": {"vocab_size": vocab_size},
                                "training": {"seed": seed}})
     padded = recipe.padded_vocab_size(tokenizer.get_vocab_size())
     gpt = GPTModel(recipe.model, ParallelConfig(), padded, pre_process=True, post_process=True, layer_offset=0,
@@ -147,8 +148,8 @@ def run(problems: int = 2, samples: int = 8, batch: int = 8, max_new_tokens: int
         for i, (prompt, ids) in enumerate(zip(prompts, prompt_ids)):
             for name in (list(sides) if (attempt + i) % 2 == 0 else list(sides)[::-1]):
                 runs[name].append(timed(lambda: sides[name](prompt, ids), placement.device))
-        echo(f"  round {attempt + 1}: " + ", ".join(
-            f"{name} {sum(r['tokens_per_s'] for r in rs[-problems:]) / problems:.1f} tokens/s" for name, rs in runs.items()))
+        mean = {name: sum(r["tokens_per_s"] for r in rs[-problems:]) / problems for name, rs in runs.items()}
+        echo(f"  round {attempt + 1}: " + ", ".join(f"{name} {value:.1f} tokens/s" for name, value in mean.items()))
     expected = samples * max_new_tokens
     if any(r["new_tokens"] != expected for rs in runs.values() for r in rs):
         raise RuntimeError(f"the sides did not generate {expected} tokens per prompt each: {runs}")

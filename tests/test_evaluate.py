@@ -152,8 +152,8 @@ def test_cached_generation_equals_full_recompute(eval_setup):
         uniforms = torch.rand((sum(counts), 12), dtype=torch.float64, generator=torch.Generator().manual_seed(3))
         cached = generate_cached(model, prompts, counts, cfg, decode=tok.decode, uniforms=uniforms)
         starts = np.cumsum([0] + counts)
-        full = [s for p, c, a in zip(prompts, counts, starts)
-                for s in generate(lambda ids: model(ids).logits, p, cfg, c, decode=tok.decode, uniforms=uniforms[a:a + c])]
+        full = [s for p, c, a in zip(prompts, counts, starts) for s in
+                generate(lambda ids: model(ids).logits, p, cfg, c, decode=tok.decode, uniforms=uniforms[a:a + c])]
         assert cached == full
         if stops:  # common stops end rows at different steps: they left the batch and the cache
             assert len({len(row) for row in cached}) > 1
@@ -267,7 +267,8 @@ def test_a_tokenizer_that_cannot_encode_the_prompts_is_refused(eval_setup, tmp_p
     words = Tokenizer(WordLevel({"def": 0, "return": 1, "[UNK]": 2}, unk_token="[UNK]"))
     words.pre_tokenizer = Whitespace()
     tok = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]")
-    with pytest.raises(UserError, match=r"the tokenizer cannot encode the prompt of HumanEval/0: it does not decode back") as info:
+    refused = r"the tokenizer cannot encode the prompt of HumanEval/0: it does not decode back"
+    with pytest.raises(UserError, match=refused) as info:
         evaluate(recipe, hf_dir, tokenizer=tok, workdir=root, out_dir=tmp_path / "ev", humaneval=True,
                  allow_code_execution=True, problems=1, num_samples=100)
     assert "\n" not in str(info.value) and not (tmp_path / "ev").exists()

@@ -156,7 +156,8 @@ def recipe_datasets(recipe, workdir) -> dict:
 
 
 def check_prompts(loaded: LoadedModel, problems: list[dict]) -> None:
-    """Every prompt must encode to ids the model has and decode back to itself: one line naming the first that does not."""
+    """Every prompt must encode to ids the model has and decode back to itself; a UserError names the first
+    that does not."""
     tok = loaded.tokenizer
     for problem in problems:
         try:
@@ -164,12 +165,13 @@ def check_prompts(loaded: LoadedModel, problems: list[dict]) -> None:
             why = ("encodes to nothing" if not ids else
                    f"gives token id {max(ids)}, beyond the model's {loaded.vocab_size} embeddings"
                    if max(ids) >= loaded.vocab_size else
-                   "does not decode back to itself (unknown characters?)" if tok.decode(ids) != problem["prompt"] else None)
+                   "does not decode back to itself (unknown characters?)"
+                   if tok.decode(ids) != problem["prompt"] else None)
         except Exception as exc:  # a tokenizer that raises on this text
             why = f"raises {type(exc).__name__}: {exc}"
         if why:
-            raise UserError(f"the tokenizer cannot encode the prompt of {problem['task_id']}: it {why}; evaluate with the "
-                            "tokenizer the model was trained with (vocab.json/merges.txt beside the model)")
+            raise UserError(f"the tokenizer cannot encode the prompt of {problem['task_id']}: it {why}; evaluate "
+                            "with the tokenizer the model was trained with (vocab.json/merges.txt beside the model)")
 
 
 def auto_batch(loaded: LoadedModel, settings: HumanEvalSettings) -> int:
@@ -217,8 +219,9 @@ class HumanEvalSampler:
             chunk = owner[start:stop]
             members = sorted(set(chunk))
             try:
-                tokens += generate_cached(self.loaded.model, [ids[i] for i in members], [chunk.count(i) for i in members],
-                                          self.cfg, decode=tok.decode, uniforms=uniforms[start:stop])
+                tokens += generate_cached(self.loaded.model, [ids[i] for i in members],
+                                          [chunk.count(i) for i in members], self.cfg, decode=tok.decode,
+                                          uniforms=uniforms[start:stop])
                 continue
             except torch.OutOfMemoryError:
                 if self.batch == 1:
