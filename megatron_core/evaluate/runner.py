@@ -36,7 +36,7 @@ class LoadedModel:
 
     def __init__(self, model, tokenizer, model_hash: str, description: str, placement: Placement) -> None:
         self.model, self.tokenizer, self.model_hash, self.placement = model.eval(), tokenizer, model_hash, placement
-        self.context_window: int = model.config.n_positions
+        self.context_window: int = model.config.max_position_embeddings
         self.vocab_size: int = model.config.vocab_size
         self.description = f"{description} on {placement.describe()}"
 
@@ -182,7 +182,7 @@ def auto_batch(loaded: LoadedModel, settings: HumanEvalSettings) -> int:
         return 16
     config = loaded.model.config
     itemsize = torch.finfo(loaded.placement.dtype).bits // 8
-    per_row = 2 * config.n_layer * loaded.context_window * config.n_embd * itemsize + 48 * config.vocab_size
+    per_row = 2 * config.num_hidden_layers * loaded.context_window * config.hidden_size * itemsize + 48 * config.vocab_size
     free, _ = torch.cuda.mem_get_info(loaded.placement.device)
     return max(1, min(1024, int(free // 2 // per_row)))
 
