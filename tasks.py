@@ -260,10 +260,14 @@ def import_hf(c, model, save, tp=1, pp=1, vpp_layers=None, overwrite=False):
     "num_samples": "HumanEval samples per problem (default: the recipe's)",
     "temperature": "HumanEval sampling temperature", "top_p": "HumanEval nucleus top-p",
     "max_new_tokens": "HumanEval tokens per completion", "problems": "only the first N HumanEval problems",
+    "device": "auto | cpu | cuda | cuda:N | cuda:all (default: a GPU when there is one)",
+    "dtype": "auto | fp32 | fp16 | bf16 (default: the recipe's precision on a GPU, fp32 on a CPU)",
+    "generation_batch": "HumanEval rows per generation batch (default: what GPU memory holds; 16 on a CPU)",
+    "workers": "sandboxed samples run at once (default: the CPU count)",
 })
 def evaluate(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, model=None, humaneval=False,
              allow_code_execution=False, num_samples=None, temperature=None, top_p=None, max_new_tokens=None,
-             problems=None):
+             problems=None, device="auto", dtype="auto", generation_batch=None, workers=None):
     """Perplexity on the valid/test splits, and HumanEval pass@k when asked."""
     from megatron_core.evaluate import evaluate as run_evaluate
 
@@ -273,7 +277,8 @@ def evaluate(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, model
                            humaneval=humaneval or None, allow_code_execution=allow_code_execution,
                            num_samples=_number(num_samples, int), temperature=_number(temperature, float),
                            top_p=_number(top_p, float), max_new_tokens=_number(max_new_tokens, int),
-                           problems=_number(problems, int))
+                           problems=_number(problems, int), device=device, dtype=dtype,
+                           generation_batch=_number(generation_batch, int), workers=_number(workers, int))
     summary = {k: v for k, v in results.items() if k.startswith("pass@")}
     summary.update({f"{split}_{m}": r[m] for split, r in results.get("perplexity", {}).items() for m in ("loss", "ppl")})
     print(json.dumps(summary, indent=2))
@@ -381,6 +386,17 @@ def bench_train(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, it
     _bench_exit(_bench_module("train").main(argv))
 
 
+@task(name="eval", help={"problems": "HumanEval prompts", "samples": "samples per prompt",
+                         "batch": "samples per batch (both sides)", "max_new_tokens": "tokens per sample",
+                         "repeats": "interleaved rounds", "threads": "torch threads (default: torch's choice)",
+                         "device": "cpu | cuda | cuda:N"})
+def bench_eval(c, problems=2, samples=8, batch=8, max_new_tokens=192, repeats=2, threads=0, device="cpu"):
+    """HumanEval generation tokens/s of evaluate's KV-cached sampler vs transformers' generate; JSON to bench/results/."""
+    _bench_exit(_bench_module("eval").main(["--problems", str(problems), "--samples", str(samples), "--batch",
+                                            str(batch), "--max-new-tokens", str(max_new_tokens), "--repeats",
+                                            str(repeats), "--threads", str(threads), "--device", device]))
+
+
 @task(name="kernels", help={"dtype": "bf16 | fp16 | fp32", "iters": "timed iterations per kernel"})
 def bench_kernels(c, dtype="bf16", iters=50):
     """Each fusion on CUDA: GB/s against copy bandwidth and speedup over eager; says so and exits 0 on a CPU."""
@@ -451,6 +467,6 @@ def ci_golden(c, recipe="smoke", workdir=DEFAULT_WORKDIR, update=False, set_=Non
 
 
 ns = Collection(recipes, corpus, tokenizer, preprocess, train, convert, import_hf, evaluate, pipeline, doctor)
-ns.add_collection(Collection("bench", bench_preprocess, bench_dataset, bench_train, bench_kernels))
+ns.add_collection(Collection("bench", bench_preprocess, bench_dataset, bench_train, bench_eval, bench_kernels))
 ns.add_collection(Collection("docker", docker_build, docker_run))
 ns.add_collection(Collection("ci", ci_golden))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import socket
 import threading
@@ -22,13 +23,18 @@ from megatron_core.evaluate.humaneval import (
 
 def canonical_fn(problems):
     by_prompt = {p["prompt"]: p["canonical_solution"] for p in problems}
-    return lambda prompt, n: [by_prompt[prompt]] * n
+    return each(lambda prompt, n: [by_prompt[prompt]] * n)
 
 
-def run(problems, fn, tmp_path, n=1, k=(1,), **kw):
+def each(fn):
+    """A generate_fn (prompts, n) -> (completions per prompt, new tokens) from one that takes one prompt."""
+    return lambda prompts, n: ([fn(p, n) for p in prompts], 0)
+
+
+def run(problems, fn, tmp_path, n=1, k=(1,), workers=None, **kw):
     settings = HumanEvalSettings(num_samples=n, k=list(k), **kw)
     return evaluate_humaneval(fn, settings, model_hash="test", cache_dir=tmp_path, allow_code_execution=True,
-                              problems=problems)
+                              problems=problems, workers=workers)
 
 
 def test_problems_are_the_164_of_the_package():
@@ -39,7 +45,7 @@ def test_problems_are_the_164_of_the_package():
 def test_canonical_solutions_pass_and_wrong_ones_fail(tmp_path):
     problems = load_problems(20)
     assert run(problems, canonical_fn(problems), tmp_path / "a")["pass@1"] == 1.0
-    wrong = run(problems, lambda prompt, n: ["    return None\n"] * n, tmp_path / "b")
+    wrong = run(problems, each(lambda prompt, n: ["    return None\n"] * n), tmp_path / "b")
     assert wrong["pass@1"] == 0.0 and set(wrong["passed_per_problem"].values()) == {0}
 
 
@@ -69,7 +75,7 @@ def test_hostile_samples_fail_without_hurting_the_run(tmp_path):
     assert net.status == sandbox.FAILED and not reached
     # the same sample set mixed: only the honest one counts, the run finishes
     samples = [canonical, "    while True:\n        pass\n", "    x = bytearray(8 << 30)\n"]
-    result = run([problem], lambda prompt, n: samples, tmp_path, n=3, k=(1, 2), timeout_s=1.0, memory_mb=512)
+    result = run([problem], each(lambda prompt, n: samples), tmp_path, n=3, k=(1, 2), timeout_s=1.0, memory_mb=512)
     assert result["passed_per_problem"] == {problem["task_id"]: 1} and result["timed_out"] == 1
     assert math.isclose(result["pass@1"], 1 / 3) and math.isclose(result["pass@2"], 2 / 3)
 
@@ -77,8 +83,8 @@ def test_hostile_samples_fail_without_hurting_the_run(tmp_path):
 def test_code_runs_only_when_allowed(tmp_path):
     calls = []
     with pytest.raises(UserError, match="allow_code_execution"):
-        evaluate_humaneval(lambda p, n: calls.append(p) or [""], HumanEvalSettings(num_samples=1), model_hash="x",
-                           cache_dir=tmp_path)
+        evaluate_humaneval(each(lambda p, n: calls.append(p) or [""]), HumanEvalSettings(num_samples=1),
+                           model_hash="x", cache_dir=tmp_path)
     assert not calls
 
 
@@ -93,21 +99,55 @@ def test_interrupted_evaluation_resumes_from_cache(tmp_path):
     base = canonical_fn(problems)
     seen = []
 
-    def crashing(prompt, n):
+    def crashing(prompts, n):
         if len(seen) == 2:
             raise KeyboardInterrupt
-        seen.append(prompt)
-        return base(prompt, n)
+        seen.extend(prompts)
+        return base(prompts, n)
 
     with pytest.raises(KeyboardInterrupt):
         run(problems, crashing, tmp_path)
     resumed = []
-    result = run(problems, lambda p, n: resumed.append(p) or base(p, n), tmp_path)
+    result = run(problems, lambda ps, n: resumed.extend(ps) or base(ps, n), tmp_path)
     assert resumed == [p["prompt"] for p in problems[2:]] and result["pass@1"] == 1.0
     # other settings are another cache entry
     other = []
-    run(problems[:1], lambda p, n: other.append(p) or base(p, n), tmp_path, temperature=0.8)
+    run(problems[:1], lambda ps, n: other.extend(ps) or base(ps, n), tmp_path, temperature=0.8)
     assert len(other) == 1
+
+
+def test_packs_are_fixed_by_the_problem_list_so_a_resume_asks_for_what_a_fresh_run_did(tmp_path):
+    """Three problems per call: with the middle one cached, its pack is asked for again whole (the
+    samples of a batch depend on its rows), and the cached result is kept, not rewritten."""
+    problems = load_problems(5)
+    base = canonical_fn(problems)
+    calls = []
+    settings = HumanEvalSettings(num_samples=1, k=[1])
+    kw = dict(model_hash="t", cache_dir=tmp_path, allow_code_execution=True, problems_per_call=3)
+    evaluate_humaneval(base, settings, problems=problems[1:2], **kw)
+    result = evaluate_humaneval(lambda ps, n: calls.append([p[-30:] for p in ps]) or base(ps, n), settings,
+                                problems=problems, **kw)
+    assert calls == [[p["prompt"][-30:] for p in problems[:3]], [p["prompt"][-30:] for p in problems[3:]]]
+    assert result["pass@1"] == 1.0 and len(open(result["cache"]).read().splitlines()) == 5
+
+
+def test_parallel_workers_keep_each_status_with_its_sample(tmp_path):
+    """Eight samples, passing and failing interleaved, checked by four workers: the statuses come back in
+    the samples' order, as one worker gives them."""
+    problem = load_problems(1)[0]
+    samples = [problem["canonical_solution"] if i % 3 == 0 else "    return None\n" for i in range(8)]
+    results = [run([problem], each(lambda p, n: samples), tmp_path / str(w), n=8, workers=w) for w in (1, 4)]
+    records = [json.loads(open(r["cache"]).read()) for r in results]
+    expected = [sandbox.PASSED if i % 3 == 0 else sandbox.FAILED for i in range(8)]
+    assert records[0]["statuses"] == records[1]["statuses"] == expected
+    assert results[1]["passed_per_problem"] == {problem["task_id"]: 3}
+
+
+def test_fewer_samples_than_the_largest_k_is_refused_before_any_generation(tmp_path):
+    calls = []
+    with pytest.raises(UserError, match=r"--num-samples 5 is smaller than the largest k of pass@k \(10"):
+        run(load_problems(1), each(lambda p, n: calls.append(p) or [""] * n), tmp_path, n=5, k=(1, 10))
+    assert not calls and not any(tmp_path.iterdir())
 
 
 def test_settings_come_from_the_recipe_and_flags_override():

@@ -1,8 +1,10 @@
 """evaluate(recipe, model): perplexity on the recipe's valid/test splits and (when asked) HumanEval.
 
-`model` is a Hugging Face model directory (a converted one), a Megatron checkpoint directory, or
-a loaded model: an nn.Module whose forward(ids) returns logits (pass `tokenizer` then). Writes
-evaluation.json and evaluation.md (ours beside the recipe's `evaluate.reference`) into out_dir.
+`model` is a Hugging Face model directory (a converted one), a Megatron checkpoint directory
+(converted to a GPT2LMHeadModel in memory, no files written), or a loaded model (a transformers
+causal LM, or our MegatronCausalLM; pass `tokenizer` then). Everything runs on one Placement: the
+recipe's device and precision unless `device`/`dtype` say otherwise. Writes evaluation.json and
+evaluation.md (ours beside the recipe's `evaluate.reference`) into out_dir, only when all went well.
 """
 
 from __future__ import annotations
@@ -17,18 +19,29 @@ from typing import Optional, Union
 
 import torch
 
+from megatron_core.convert.gpt2_mapping import megatron_to_gpt2_state
+from megatron_core.convert.megatron_to_hf import EOD_TOKEN, gpt2_config
+from megatron_core.convert.shards import ModelShape, read_checkpoint
 from megatron_core.errors import UserError
-from megatron_core.evaluate.generate import SamplingConfig, generate
-from megatron_core.evaluate.humaneval import HumanEvalSettings, evaluate_humaneval
+from megatron_core.evaluate.generate import SamplingConfig, generate_cached
+from megatron_core.evaluate.humaneval import HumanEvalSettings, evaluate_humaneval, load_problems
 from megatron_core.evaluate.perplexity import evaluate_perplexity
+from megatron_core.evaluate.placement import Placement, resolve_placement
+
+CPU = Placement(torch.device("cpu"), torch.float32)
 
 
 class LoadedModel:
-    """What evaluation needs: a logits function, a tokenizer, a hash naming the weights."""
+    """What evaluation needs: a transformers causal LM on its placement, a tokenizer, a hash naming the weights."""
 
-    def __init__(self, model_fn, tokenizer, model_hash: str, context_window: int, description: str):
-        self.model_fn, self.tokenizer, self.model_hash = model_fn, tokenizer, model_hash
-        self.context_window, self.description = context_window, description
+    def __init__(self, model, tokenizer, model_hash: str, description: str, placement: Placement) -> None:
+        self.model, self.tokenizer, self.model_hash, self.placement = model.eval(), tokenizer, model_hash, placement
+        self.context_window: int = model.config.max_position_embeddings
+        self.vocab_size: int = model.config.vocab_size
+        self.description = f"{description} on {placement.describe()}"
+
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids.to(self.placement.device)).logits
 
 
 def _file_hash(paths) -> str:
@@ -40,11 +53,11 @@ def _file_hash(paths) -> str:
     return digest.hexdigest()[:16]
 
 
-def _module_hash(module: torch.nn.Module) -> str:
+def _state_hash(state: dict) -> str:
     digest = hashlib.sha256()
-    for name, tensor in sorted(module.state_dict().items()):
+    for name, tensor in sorted(state.items()):
         digest.update(name.encode())
-        digest.update(tensor.detach().float().contiguous().numpy().tobytes())
+        digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()[:16]
 
 
@@ -56,13 +69,10 @@ def _tokenizer_from_dir(path: Path):
     return GPT2TokenizerFast.from_pretrained(str(path))
 
 
-def _tokenizer_for_checkpoint(path: Path):
-    """The files the checkpoint's args name (training records them), else ones beside it."""
-    from megatron_core.convert.shards import find_shard_files, load_shard_file, resolve_iteration_dir
-
+def _tokenizer_for_checkpoint(path: Path, args):
+    """The files beside the checkpoint, else the ones its args name (training records them)."""
     if (path / "vocab.json").exists():
         return _tokenizer_from_dir(path)
-    args = load_shard_file(next(iter(find_shard_files(resolve_iteration_dir(path)[0]).values()))).get("args")
     vocab, merges = getattr(args, "vocab_file", None), getattr(args, "merge_file", None)
     if not (vocab and merges and Path(vocab).is_file() and Path(merges).is_file()):
         raise UserError(f"the checkpoint {path} names no readable vocab/merge files; pass tokenizer=<HF tokenizer>")
@@ -72,33 +82,65 @@ def _tokenizer_for_checkpoint(path: Path):
         return _tokenizer_from_dir(Path(tmp))
 
 
-def load_for_evaluation(model, tokenizer=None, attn_implementation: str = "sdpa") -> LoadedModel:
+def _eod_id(tokenizer) -> Optional[int]:
+    return tokenizer.convert_tokens_to_ids(EOD_TOKEN) if EOD_TOKEN in tokenizer.get_vocab() else None
+
+
+def _gpt2_in_memory(state: dict, shape: ModelShape, args, eod_id: Optional[int], placement: Placement,
+                    attn_implementation: str):
+    """Our merged Megatron state as a GPT2LMHeadModel (the mapping `invoke convert` writes), nothing on disk."""
+    from transformers import GPT2LMHeadModel
+
+    if placement.device_map:
+        raise UserError("--device cuda:all spreads a Hugging Face model dir; a checkpoint of this size runs on "
+                        "one GPU: use --device cuda (or convert it first with invoke convert)")
+    config = gpt2_config(shape, eod_id, torch.float32, args)
+    config._attn_implementation = attn_implementation
+    model = GPT2LMHeadModel(config)
+    missing, unexpected = model.load_state_dict(megatron_to_gpt2_state(state, shape), strict=False)
+    if unexpected or [k for k in missing if not (shape.tied_embeddings and k == "lm_head.weight")]:
+        raise UserError(f"the checkpoint's weights do not map onto GPT2 (missing {missing}, unexpected {unexpected})")
+    if shape.tied_embeddings:
+        model.tie_weights()
+    return model.to(placement.device, placement.dtype)
+
+
+def load_for_evaluation(model, tokenizer=None, placement: Placement = CPU,
+                        attn_implementation: str = "sdpa") -> LoadedModel:
     if isinstance(model, torch.nn.Module):
         if tokenizer is None:
             raise UserError("evaluating a loaded model needs its tokenizer (tokenizer=...)")
-        window = getattr(getattr(model, "shape", None), "max_position_embeddings", None) or \
-            getattr(getattr(model, "config", None), "n_positions", 1024)
-        fn = model if not hasattr(model, "config") else (lambda ids: model(ids).logits)
-        return LoadedModel(fn, tokenizer, _module_hash(model), window, type(model).__name__)
+        if hasattr(model, "gpt") and hasattr(model, "shape"):  # our MegatronCausalLM
+            state = {k: v for k, v in model.gpt.state_dict().items() if not k.endswith("_extra_state")}
+            hf = _gpt2_in_memory(state, model.shape, None, _eod_id(tokenizer), placement, attn_implementation)
+            return LoadedModel(hf, tokenizer, _state_hash(state), "GPTModel (in memory, as GPT2)", placement)
+        if not hasattr(model, "generation_config"):
+            raise UserError(f"{type(model).__name__} is neither a transformers causal LM nor our MegatronCausalLM")
+        return LoadedModel(model.to(placement.device, placement.dtype), tokenizer, _state_hash(model.state_dict()),
+                           type(model).__name__, placement)
     path = Path(model)
     if (path / "latest_checkpointed_iteration.txt").exists():
-        from megatron_core.convert.load import load_megatron_model
-
-        ours = load_megatron_model(path)
-        tok = tokenizer or _tokenizer_for_checkpoint(path)
-        return LoadedModel(ours, tok, f"{ours.recipe_hash}-it{ours.iteration}-{_module_hash(ours)}",
-                           ours.shape.max_position_embeddings, f"GPTModel from {path}")
+        ckpt = read_checkpoint(path)
+        tok = tokenizer or _tokenizer_for_checkpoint(path, ckpt.args)
+        hf = _gpt2_in_memory(ckpt.state, ckpt.shape, ckpt.args, _eod_id(tok), placement, attn_implementation)
+        return LoadedModel(hf, tok, f"{ckpt.recipe_hash}-it{ckpt.iteration}-{_state_hash(ckpt.state)}",
+                           f"GPTModel from {path} (converted in memory, {attn_implementation})", placement)
     if (path / "config.json").exists():
         from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
-                                                  attn_implementation=attn_implementation).eval()
+        try:
+            hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=placement.dtype, device_map=placement.device_map,
+                                                      attn_implementation=attn_implementation)
+        except (OSError, ValueError) as exc:
+            raise UserError(f"{path} has a config.json but no loadable model: {str(exc).splitlines()[0]}") from None
+        if not placement.device_map:
+            hf.to(placement.device)
         weights = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin"))
         tok = tokenizer or _tokenizer_from_dir(path)
-        return LoadedModel(lambda ids: hf(ids).logits, tok, _file_hash(weights), hf.config.n_positions,
-                           f"{type(hf).__name__} from {path} ({attn_implementation})")
+        return LoadedModel(hf, tok, _file_hash(weights), f"{type(hf).__name__} from {path} ({attn_implementation})",
+                           placement)
     raise UserError(f"{path} is neither a Hugging Face model dir (config.json) nor a Megatron checkpoint "
-                    f"(latest_checkpointed_iteration.txt)")
+                    f"(latest_checkpointed_iteration.txt); pass --model the converted hf/ dir or the checkpoints/ dir")
 
 
 def recipe_datasets(recipe, workdir) -> dict:
@@ -113,22 +155,83 @@ def recipe_datasets(recipe, workdir) -> dict:
     return {name: ds for name, ds in (("valid", valid), ("test", test)) if ds is not None}
 
 
-def humaneval_generate_fn(loaded: LoadedModel, settings: HumanEvalSettings):
+def check_prompts(loaded: LoadedModel, problems: list[dict]) -> None:
+    """Every prompt must encode to ids the model has and decode back to itself; a UserError names the first
+    that does not."""
     tok = loaded.tokenizer
-    eos = tok.convert_tokens_to_ids("<|endoftext|>") if "<|endoftext|>" in tok.get_vocab() else None
-    cfg = SamplingConfig(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
-                         top_p=settings.top_p, stop_sequences=settings.stop_sequences, eos_token_id=eos,
-                         vocab_limit=len(tok), context_window=loaded.context_window)
-    def fn(prompt: str, n: int) -> list[str]:
-        # One generator per problem, seeded by (seed, prompt): a resumed run samples what an
-        # uninterrupted one would have.
-        digest = hashlib.sha256(f"{settings.seed}:{prompt}".encode()).digest()
-        generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
-        ids = tok.encode(prompt)[-(loaded.context_window - 1):]
-        samples = generate(loaded.model_fn, ids, cfg, num_samples=n, decode=tok.decode, generator=generator)
-        return [tok.decode(s) for s in samples]
+    for problem in problems:
+        try:
+            ids = tok.encode(problem["prompt"])
+            why = ("encodes to nothing" if not ids else
+                   f"gives token id {max(ids)}, beyond the model's {loaded.vocab_size} embeddings"
+                   if max(ids) >= loaded.vocab_size else
+                   "does not decode back to itself (unknown characters?)"
+                   if tok.decode(ids) != problem["prompt"] else None)
+        except Exception as exc:  # a tokenizer that raises on this text
+            why = f"raises {type(exc).__name__}: {exc}"
+        if why:
+            raise UserError(f"the tokenizer cannot encode the prompt of {problem['task_id']}: it {why}; evaluate "
+                            "with the tokenizer the model was trained with (vocab.json/merges.txt beside the model)")
 
-    return fn
+
+def auto_batch(loaded: LoadedModel, settings: HumanEvalSettings) -> int:
+    """Rows per generation batch: 16 on a CPU; on a GPU as many as half its free memory holds, at most 1024.
+    A row holds its KV cache over the whole context, and per step about 48 bytes per vocabulary entry
+    (fp32 logits and their sorted copy, int64 order, float64 probabilities and CDF, masks)."""
+    if loaded.placement.device.type != "cuda":
+        return 16
+    config = loaded.model.config
+    itemsize = torch.finfo(loaded.placement.dtype).bits // 8
+    per_row = 2 * config.num_hidden_layers * loaded.context_window * config.hidden_size * itemsize + 48 * config.vocab_size
+    free, _ = torch.cuda.mem_get_info(loaded.placement.device)
+    return max(1, min(1024, int(free // 2 // per_row)))
+
+
+class HumanEvalSampler:
+    """generate_fn for evaluate_humaneval: (prompts, n) -> (n completions per prompt, new tokens) through the
+    KV cache, `batch` rows at a time (a batch holds several problems when n is smaller, a problem's rows span
+    batches when larger). Sample i of a problem draws from row i of uniforms seeded by (seed, prompt): a
+    resumed run, or one with another batch, samples what an uninterrupted one would (up to float rounding)."""
+
+    def __init__(self, loaded: LoadedModel, settings: HumanEvalSettings, batch: int) -> None:
+        self.loaded, self.settings, self.batch = loaded, settings, batch
+        self.max_prompt = loaded.context_window - settings.max_new_tokens
+        if self.max_prompt < 1:
+            raise UserError(f"--max-new-tokens {settings.max_new_tokens} leaves no room for a prompt in the model's "
+                            f"{loaded.context_window} positions; use fewer")
+        self.cfg = SamplingConfig(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
+                                  top_p=settings.top_p, stop_sequences=settings.stop_sequences,
+                                  eos_token_id=_eod_id(loaded.tokenizer), vocab_limit=len(loaded.tokenizer))
+
+    def uniforms(self, prompt: str, n: int) -> torch.Tensor:
+        digest = hashlib.sha256(f"{self.settings.seed}:{prompt}".encode()).digest()
+        generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+        return torch.rand((n, self.cfg.max_new_tokens), dtype=torch.float64, generator=generator)
+
+    def __call__(self, prompts: list[str], n: int) -> tuple[list[list[str]], int]:
+        tok = self.loaded.tokenizer
+        ids = [tok.encode(p)[-self.max_prompt:] for p in prompts]  # long prompts keep their end
+        uniforms = torch.cat([self.uniforms(p, n) for p in prompts])
+        owner = [i for i in range(len(prompts)) for _ in range(n)]  # the prompt of each row
+        tokens: list[list[int]] = []
+        while len(tokens) < len(owner):
+            start, stop = len(tokens), min(len(owner), len(tokens) + self.batch)
+            chunk = owner[start:stop]
+            members = sorted(set(chunk))
+            try:
+                tokens += generate_cached(self.loaded.model, [ids[i] for i in members],
+                                          [chunk.count(i) for i in members], self.cfg, decode=tok.decode,
+                                          uniforms=uniforms[start:stop])
+                continue
+            except torch.OutOfMemoryError:
+                if self.batch == 1:
+                    raise
+            # out of the except block, so the failed batch's tensors are free: retry with half the rows
+            self.batch //= 2
+            torch.cuda.empty_cache()
+            print(f"humaneval: out of GPU memory; generation batch now {self.batch} rows", flush=True)
+        texts = [tok.decode(t) for t in tokens]
+        return [texts[i * n:(i + 1) * n] for i in range(len(prompts))], sum(map(len, tokens))
 
 
 def markdown_table(results: dict, reference: dict) -> str:
@@ -147,14 +250,27 @@ def markdown_table(results: dict, reference: dict) -> str:
 def evaluate(recipe, model: Union[str, Path, torch.nn.Module], *, workdir=".", out_dir=None, tokenizer=None,
              datasets: Optional[dict] = None, perplexity: Optional[bool] = None, humaneval: Optional[bool] = None,
              allow_code_execution: bool = False, batch_size: int = 8, max_batches: Optional[int] = None,
-             attn_implementation: str = "sdpa", **humaneval_overrides) -> dict:
-    """Run what the recipe's `evaluate` section asks for (flags override it); returns the results."""
+             attn_implementation: str = "sdpa", device: str = "auto", dtype: str = "auto",
+             generation_batch: Optional[int] = None, workers: Optional[int] = None, **humaneval_overrides) -> dict:
+    """Run what the recipe's `evaluate` section asks for (flags override it); returns the results. Every
+    input is checked before the long steps start; evaluation.json appears only at the end."""
     e = recipe.evaluate
     do_ppl = e.perplexity if perplexity is None else perplexity
     do_he = e.humaneval if humaneval is None else humaneval
-    if do_he and not allow_code_execution:
-        raise UserError("HumanEval runs model-written code; pass --allow-code-execution to allow it")
-    loaded = load_for_evaluation(model, tokenizer, attn_implementation)
+    settings, problems = None, None
+    if do_he:
+        if not allow_code_execution:
+            raise UserError("HumanEval runs model-written code; pass --allow-code-execution to allow it")
+        settings = HumanEvalSettings.from_recipe(e, **humaneval_overrides)
+        settings.check()
+        if generation_batch is not None and generation_batch < 1:
+            raise UserError(f"--generation-batch {generation_batch}: need at least 1 row")
+    placement = resolve_placement(recipe, device, dtype)
+    loaded = load_for_evaluation(model, tokenizer, placement, attn_implementation)
+    if do_he:
+        problems = load_problems(settings.problems)
+        check_prompts(loaded, problems)
+        sampler = HumanEvalSampler(loaded, settings, generation_batch or auto_batch(loaded, settings))
     out_dir = Path(out_dir or Path(workdir) / "evaluation")
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"evaluate: {loaded.description}, model hash {loaded.model_hash}", flush=True)
@@ -163,14 +279,15 @@ def evaluate(recipe, model: Union[str, Path, torch.nn.Module], *, workdir=".", o
     if do_ppl:
         datasets = datasets if datasets is not None else recipe_datasets(recipe, workdir)
         limit = max_batches if max_batches is not None else recipe.training.eval_iters
-        results["perplexity"] = {name: evaluate_perplexity(loaded.model_fn, ds, batch_size, limit, desc=name)
-                                 for name, ds in datasets.items()}
+        results["perplexity"] = {name: {**evaluate_perplexity(loaded.logits, ds, batch_size, limit, desc=name),
+                                        **placement.to_json()} for name, ds in datasets.items()}
         for name, r in results["perplexity"].items():
             print(f"evaluate: {name} loss {r['loss']:.6f} ppl {r['ppl']:.4f} over {r['tokens']} tokens", flush=True)
     if do_he:
-        settings = HumanEvalSettings.from_recipe(e, **humaneval_overrides)
-        he = evaluate_humaneval(humaneval_generate_fn(loaded, settings), settings, model_hash=loaded.model_hash,
-                                cache_dir=out_dir / "cache", allow_code_execution=True)
+        he = evaluate_humaneval(sampler, settings, model_hash=loaded.model_hash, cache_dir=out_dir / "cache",
+                                allow_code_execution=True, problems=problems,
+                                problems_per_call=max(1, sampler.batch // settings.num_samples), workers=workers)
+        he["generation"].update({**placement.to_json(), "batch": sampler.batch})
         results["humaneval"] = he
         results.update({k: v for k, v in he.items() if k.startswith("pass@")})
     results["reference"] = dict(e.reference)
