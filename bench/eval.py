@@ -34,6 +34,7 @@ from typing import Callable, Optional
 
 import torch
 
+from bench.cli import finish
 from megatron_core.errors import UserError
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -215,14 +216,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's own choice)")
     parser.add_argument("--results-dir", default=str(RESULTS), help="where the JSON goes")
     args = parser.parse_args(argv)
-    try:
-        result = run(args.problems, args.samples, args.batch, args.max_new_tokens, args.repeats, args.vocab_size,
-                     args.device, args.threads, results_dir=Path(args.results_dir))
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(result), flush=True)
-    return 0
+    return finish(lambda: run(args.problems, args.samples, args.batch, args.max_new_tokens, args.repeats,
+                              args.vocab_size, args.device, args.threads, results_dir=Path(args.results_dir)))
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from typing import Callable, Optional
 import torch
 
 from bench import roofline
+from bench.cli import finish
 from megatron_core import config, workflow
 from megatron_core.errors import UserError
 
@@ -146,10 +147,7 @@ def build_ours(setup: Setup):
 
 def build_hf(setup: Setup, start_state: dict):
     """(step function -> loss): GPT2LMHeadModel + torch AdamW doing the same work from the same weights."""
-    from transformers import GPT2LMHeadModel
-
-    from megatron_core.convert.gpt2_mapping import megatron_to_gpt2_state
-    from megatron_core.convert.megatron_to_hf import gpt2_config
+    from megatron_core.convert.megatron_to_hf import gpt2_model
     from megatron_core.convert.shards import shape_from_args
     from megatron_core.training.checkpointing import megatron_args
     from megatron_core.training.lr_schedule import OptimizerParamScheduler
@@ -160,14 +158,7 @@ def build_hf(setup: Setup, start_state: dict):
     # The same path a checkpoint of this run takes to transformers: its args, its shape, its GPT2 config.
     args = megatron_args(recipe, setup.padded_vocab, iteration=0, consumed_train_samples=0, params_dtype="float32")
     shape = shape_from_args(args)
-    cfg = gpt2_config(shape, setup.eod, torch.float32, args=args)
-    cfg._attn_implementation = "sdpa"
-    model = GPT2LMHeadModel(cfg)
-    missing, unexpected = model.load_state_dict(megatron_to_gpt2_state(start_state, shape), strict=False)
-    if unexpected or [k for k in missing if not (shape.tied_embeddings and k == "lm_head.weight")]:
-        raise RuntimeError(f"baseline weights do not map: missing {missing}, unexpected {unexpected}")
-    if shape.tied_embeddings:
-        model.tie_weights()
+    model = gpt2_model(start_state, shape, setup.eod, args, "sdpa")
     model.to(device).train()
     options = {"fused": True} if device.type == "cuda" else {"foreach": True}
     optimizer = torch.optim.AdamW(param_groups(model.named_parameters(), t.weight_decay), lr=t.lr,
@@ -433,14 +424,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--baseline", choices=["hf"])
     parser.add_argument("--results-dir", default=str(RESULTS), help="where the JSON and chart go")
     args = parser.parse_args(argv)
-    try:
-        result = run(args.recipe, args.overrides, args.workdir, args.iters, args.warmup, args.repeats, args.baseline,
-                     results_dir=Path(args.results_dir))
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(result), flush=True)
-    return 0
+    return finish(lambda: run(args.recipe, args.overrides, args.workdir, args.iters, args.warmup, args.repeats,
+                              args.baseline, results_dir=Path(args.results_dir)))
 
 
 if __name__ == "__main__":

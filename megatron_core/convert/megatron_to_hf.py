@@ -28,6 +28,22 @@ PROVENANCE_FILE = "provenance.json"
 _MODEL_FILES = ("config.json", "model.safetensors", "pytorch_model.bin", "model.safetensors.index.json")
 
 
+def gpt2_model(state: dict, shape: ModelShape, eod_id: Optional[int], args=None, attn_implementation: str = "sdpa"):
+    """Our merged Megatron state as a transformers GPT2LMHeadModel (fp32, CPU), built in memory with the
+    mapping `invoke convert` writes: what evaluation and bench.train's baseline start from."""
+    from transformers import GPT2LMHeadModel
+
+    config = gpt2_config(shape, eod_id, torch.float32, args)
+    config._attn_implementation = attn_implementation
+    model = GPT2LMHeadModel(config)
+    missing, unexpected = model.load_state_dict(megatron_to_gpt2_state(state, shape), strict=False)
+    if unexpected or [k for k in missing if not (shape.tied_embeddings and k == "lm_head.weight")]:
+        raise UserError(f"the weights do not map onto GPT2 (missing {missing}, unexpected {unexpected})")
+    if shape.tied_embeddings:
+        model.tie_weights()
+    return model
+
+
 def gpt2_config(shape: ModelShape, eod_id: Optional[int], dtype: torch.dtype, args=None):
     from transformers import GPT2Config
 

@@ -19,8 +19,7 @@ from typing import Optional, Union
 
 import torch
 
-from megatron_core.convert.gpt2_mapping import megatron_to_gpt2_state
-from megatron_core.convert.megatron_to_hf import EOD_TOKEN, gpt2_config
+from megatron_core.convert.megatron_to_hf import EOD_TOKEN, gpt2_model
 from megatron_core.convert.shards import ModelShape, read_checkpoint
 from megatron_core.errors import UserError
 from megatron_core.evaluate.generate import SamplingConfig, generate_cached
@@ -89,20 +88,10 @@ def _eod_id(tokenizer) -> Optional[int]:
 def _gpt2_in_memory(state: dict, shape: ModelShape, args, eod_id: Optional[int], placement: Placement,
                     attn_implementation: str):
     """Our merged Megatron state as a GPT2LMHeadModel (the mapping `invoke convert` writes), nothing on disk."""
-    from transformers import GPT2LMHeadModel
-
     if placement.device_map:
         raise UserError("--device cuda:all spreads a Hugging Face model dir; a checkpoint of this size runs on "
                         "one GPU: use --device cuda (or convert it first with invoke convert)")
-    config = gpt2_config(shape, eod_id, torch.float32, args)
-    config._attn_implementation = attn_implementation
-    model = GPT2LMHeadModel(config)
-    missing, unexpected = model.load_state_dict(megatron_to_gpt2_state(state, shape), strict=False)
-    if unexpected or [k for k in missing if not (shape.tied_embeddings and k == "lm_head.weight")]:
-        raise UserError(f"the checkpoint's weights do not map onto GPT2 (missing {missing}, unexpected {unexpected})")
-    if shape.tied_embeddings:
-        model.tie_weights()
-    return model.to(placement.device, placement.dtype)
+    return gpt2_model(state, shape, eod_id, args, attn_implementation).to(placement.device, placement.dtype)
 
 
 def load_for_evaluation(model, tokenizer=None, placement: Placement = CPU,
