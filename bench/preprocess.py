@@ -1,11 +1,12 @@
 """Benchmark: preprocessing the Python-stdlib corpus (~30 MB of code) to .bin/.idx.
 
-    python bench/preprocess.py [--workers 2] [--vocab-size 4096] [--recipe-hash H]
+    python bench/preprocess.py [--workers 2] [--vocab-size 32768] [--recipe-hash H]
 
 Builds the corpus, trains a byte-level BPE on it (or reuses one trained on the same corpus and
-vocab size under the work directory), then times `preprocess` alone. The target is at least
-10 MB/s of input with 2 workers. Writes bench/results/preprocess-<timestamp>.json and prints
-the JSON as the last line.
+vocab size under the work directory), then times preprocessing twice: the whole command as a user
+runs it (`python -m megatron_core.data.preprocess ...` in a fresh process, start-up included: the
+target, at least 20 MB/s of input with 2 workers) and, inside this process, `preprocess` alone.
+Writes bench/results/preprocess-<timestamp>.json and prints the JSON as the last line.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -24,7 +26,7 @@ from megatron_core.data.preprocess import preprocess, preprocess_args
 from megatron_core.data.tokenizer import GPT2BPETokenizer, file_sha256, train_bpe_tokenizer
 
 RESULTS = Path(__file__).resolve().parent / "results"
-TARGET_MB_PER_S = 10.0
+TARGET_MB_PER_S = 20.0  # end to end, the whole process
 
 
 def _texts(corpus: Path):
@@ -35,7 +37,7 @@ def _texts(corpus: Path):
 
 def run(
     workers: int = 2,
-    vocab_size: int = 4096,
+    vocab_size: int = 32768,
     workdir=None,
     recipe_hash=None,
     engine: str = "auto",
@@ -63,7 +65,18 @@ def run(
         vocab_file=str(vocab), merge_file=str(merges), append_eod=True, workers=workers,
         log_interval=log_interval, tokenizer_engine=engine,
     )
+    command = [sys.executable, "-m", "megatron_core.data.preprocess", "--input", str(corpus), "--json-keys", "content",
+               "--output-prefix", str(workdir / "out-cli" / "stdlib"), "--vocab-file", str(vocab), "--merge-file",
+               str(merges), "--tokenizer-type", "GPT2BPETokenizer", "--append-eod", "--workers", str(workers),
+               "--log-interval", str(log_interval)]
+    (workdir / "out-cli").mkdir(exist_ok=True)
+    t0 = time.perf_counter()
+    proc = subprocess.run(command, capture_output=True, text=True, check=False)
+    end_to_end = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"preprocess failed ({proc.returncode}): {proc.stderr[-2000:]}")
     summary = preprocess(args)
+    end_to_end_mb_per_s = summary["input_bytes"] / 1e6 / end_to_end
     result = {
         "benchmark": "preprocess",
         "recipe_hash": recipe_hash,
@@ -84,8 +97,10 @@ def run(
         "documents_per_s": summary["documents_per_s"],
         "cpu_seconds": summary["cpu_seconds"],
         "mb_per_cpu_s": summary["mb_per_cpu_s"],
+        "end_to_end_seconds": round(end_to_end, 3),
+        "end_to_end_mb_per_s": round(end_to_end_mb_per_s, 3),
         "target_mb_per_s": TARGET_MB_PER_S,
-        "meets_target": summary["mb_per_s"] >= TARGET_MB_PER_S,
+        "meets_target": end_to_end_mb_per_s >= TARGET_MB_PER_S,
         "corpus_seconds": round(corpus_seconds, 3),
         "tokenizer_seconds": round(tokenizer_seconds, 3),
     }
@@ -98,7 +113,7 @@ def run(
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--vocab-size", type=int, default=32768)
     p.add_argument("--workdir", default=None)
     p.add_argument("--recipe-hash", default=None)
     p.add_argument("--engine", default="auto", choices=["auto", "tiktoken", "hf"])
