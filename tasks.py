@@ -129,16 +129,17 @@ def preprocess(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, for
 # ----------------------------------------------------------------------------------------------
 
 
-def _launch_recipe(r: config.Recipe, recipe: str, set_, nproc: int, nnodes: int):
+def _launch_recipe(recipe: str, set_, nproc: int, nnodes: int):
     """(the recipe as the started processes resolve it, its overrides, processes per node). By default
-    the recipe's world size is split over the nodes; an explicit --nproc that makes another world size
-    is written into the overrides here, so the run directory and the processes' recipe hash agree."""
-    nproc = nproc or max(1, r.parallel.world_size // max(nnodes, 1))
+    the recipe's world size is split over the nodes; an explicit --nproc sets the world size to
+    nproc x nnodes, written into the overrides before the recipe (and its layout) is validated, so
+    layout flags beside it (--set tensor_model_parallel_size=2) are checked against that world and
+    the run directory and the processes' recipe hash agree."""
     overrides = list(set_ or [])
-    if nproc * nnodes != r.parallel.world_size:
+    if nproc:
         overrides.append(f"parallel.world_size={nproc * nnodes}")
-        r = config.load_recipe(recipe, overrides)
-    return r, overrides, nproc
+    r = _load(recipe, overrides)
+    return r, overrides, nproc or max(1, r.parallel.world_size // max(nnodes, 1))
 
 
 def _train_command(r: config.Recipe, overrides, nproc, nnodes, node_rank, master_addr, master_port,
@@ -179,7 +180,7 @@ TRAIN_HELP = {
 def train(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, nproc=0, nnodes=1, node_rank=0,
           master_addr="127.0.0.1", master_port=29500, rdzv_endpoint=None, load=None, no_save_optim=False):
     """Train the recipe (running the missing data steps first); prints the run directory."""
-    r, overrides, nproc = _launch_recipe(_load(recipe, set_), recipe, set_, nproc, nnodes)
+    r, overrides, nproc = _launch_recipe(recipe, set_, nproc, nnodes)
     workflow.ensure_training_inputs(r, workdir)
     cmd = _train_command(r, overrides, nproc, nnodes, node_rank, master_addr, master_port, rdzv_endpoint, load,
                          no_save_optim, workdir)

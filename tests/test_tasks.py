@@ -105,8 +105,7 @@ def test_launch_splits_the_recipe_world_over_nodes_and_names_the_run_it_starts(m
     monkeypatch.setattr(workflow, "data_prefixes", lambda r, w: ["data/prefix"])
 
     def launched(nproc, nnodes, set_=()):
-        r, overrides, per_node = tasks._launch_recipe(config.load_recipe("codeparrot-small-8gpu", list(set_)),
-                                                      "codeparrot-small-8gpu", list(set_), nproc, nnodes)
+        r, overrides, per_node = tasks._launch_recipe("codeparrot-small-8gpu", list(set_), nproc, nnodes)
         cmd = tasks._train_command(r, overrides, per_node, nnodes, 0, "node0", 29500, None, None, False, tmp_path)
         return r, cmd
 
@@ -118,6 +117,12 @@ def test_launch_splits_the_recipe_world_over_nodes_and_names_the_run_it_starts(m
     assert "parallel.world_size=16" in cmd
     same, same_cmd = launched(0, 2, ["world_size=16"])  # --set world_size=16 says the same
     assert "--nproc-per-node=8" in same_cmd and same.stage_hash("train") == r.stage_hash("train")
+    # --nproc sets the world before the layout is validated, so layout flags beside it work ...
+    r, cmd = launched(2, 1, ["tensor_model_parallel_size=2"])
+    assert (r.parallel.world_size, r.parallel.tensor_model_parallel_size) == (2, 2) and "--nproc-per-node=2" in cmd
+    # ... and a layout the model cannot take names the numbers
+    with pytest.raises(config.UserError, match="num_attention_heads 12 is not divisible by TP 5"):
+        launched(5, 1, ["tensor_model_parallel_size=5"])
 
 
 def test_docker_tasks_dry_run(tmp_path):
