@@ -101,6 +101,84 @@ def flatten_model_state(nested: dict) -> dict[str, torch.Tensor]:
 
 
 # ----------------------------------------------------------------------------------------------
+# Merging and splitting over TP x PP (docs/checkpoint-format.md, "Shapes per TP rank"): what convert
+# and a resume under another layout share. A "full" state uses the canonical names: flat, global
+# layer numbers, no word_embeddings_for_head (a copy of the word embedding).
+# ----------------------------------------------------------------------------------------------
+
+_VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "word_embeddings_for_head.weight", "output_layer.weight")
+_COLUMN_PARALLEL = ("self_attention.query_key_value.weight", "self_attention.query_key_value.bias",
+                    "mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias")
+_ROW_PARALLEL = ("self_attention.dense.weight", "mlp.dense_4h_to_h.weight")
+LAYER_KEY = re.compile(r"^encoder\.layers\.(\d+)\.(.+)$")
+
+
+def tp_partition_dim(name: str) -> Optional[int]:
+    """The dimension a tensor-parallel weight is split along; None for a replicated one."""
+    if name in _VOCAB_PARALLEL or name.endswith(_COLUMN_PARALLEL):
+        return 0
+    if name.endswith(_ROW_PARALLEL):
+        return 1
+    return None
+
+
+def merge_rank_states(stage_states: dict, tp: int, pp: int) -> dict[str, torch.Tensor]:
+    """{(tp rank, pp rank): flat state, stage-local layer numbers} -> the full state. TP shards are
+    concatenated along their partition dim; replicated tensors must be bitwise equal across TP ranks."""
+    merged: dict[str, torch.Tensor] = {}
+    layer_offset = 0
+    for stage in range(pp):
+        per_rank = [stage_states[(t, stage)] for t in range(tp)]
+        names = list(per_rank[0])
+        for t, names_t in enumerate(per_rank):
+            if set(names_t) != set(names):
+                diff = sorted(set(names) ^ set(names_t))[:4]
+                raise CheckpointError(f"TP rank {t} of stage {stage} holds different weights than rank 0 ({diff}); "
+                                      "shards from different models are mixed")
+        for name in names:
+            parts = [r[name] for r in per_rank]
+            dim = tp_partition_dim(name)
+            if dim is None:
+                full = parts[0]
+                if any(not torch.equal(full, p) for p in parts[1:]):
+                    raise CheckpointError(f"stage {stage}: the TP ranks hold different copies of the replicated "
+                                          f"{name}; shards from different runs or iterations are mixed: copy one "
+                                          "checkpoint's shards")
+            else:
+                full = torch.cat(parts, dim=dim) if tp > 1 else parts[0]
+            match = LAYER_KEY.match(name)
+            if match:
+                name = f"encoder.layers.{int(match.group(1)) + layer_offset}.{match.group(2)}"
+            if name != _HEAD_PREFIX + "weight":
+                merged[name] = full
+        layer_offset += len({m.group(1) for m in map(LAYER_KEY.match, names) if m})
+    return merged
+
+
+def split_rank_state(state: dict, tp: int, pp: int, tp_rank: int, pp_rank: int, *, num_layers: int,
+                     tied: bool) -> dict[str, torch.Tensor]:
+    """The full state -> one rank's flat state (the inverse of merge_rank_states for that rank)."""
+    per_stage = num_layers // pp
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    flat = {}
+    for name, tensor in state.items():
+        match = LAYER_KEY.match(name)
+        if match:
+            layer = int(match.group(1)) - pp_rank * per_stage
+            names = [f"encoder.layers.{layer}.{match.group(2)}"] if 0 <= layer < per_stage else []
+        elif name.startswith(_EMBEDDING_PREFIX):
+            names = [name] if first else []
+            if last and not first and tied and name == "embedding.word_embeddings.weight":
+                names.append(_HEAD_PREFIX + "weight")
+        else:  # final layernorm, output layer
+            names = [name] if last else []
+        dim = tp_partition_dim(name)
+        for target in names:
+            flat[target] = (tensor.chunk(tp, dim=dim)[tp_rank] if dim is not None else tensor).clone()
+    return flat
+
+
+# ----------------------------------------------------------------------------------------------
 # Paths
 # ----------------------------------------------------------------------------------------------
 
@@ -121,6 +199,34 @@ def parse_rank_dirname(name: str) -> Optional[tuple[int, int]]:
     """(tp rank, pp rank) of a rank directory's name, None for anything else (inverse of rank_dirname)."""
     match = _RANK_DIRNAME.match(name)
     return None if match is None else (int(match[1]), int(match[2] or 0))
+
+
+def find_rank_files(iter_dir: Path) -> dict[tuple[int, int], Path]:
+    """{(tp rank, pp rank): model file} of every rank directory in an iteration directory."""
+    files = {}
+    for child in sorted(Path(iter_dir).iterdir()):
+        ranks = parse_rank_dirname(child.name)
+        if ranks is None:
+            continue
+        if not (child / MODEL_FILENAME).exists():
+            raise CheckpointError(f"shard {child} has no {MODEL_FILENAME}; the checkpoint is incomplete "
+                                  "(re-save or copy it again)")
+        files[ranks] = child / MODEL_FILENAME
+    if not files:
+        raise CheckpointError(f"{iter_dir} holds no mp_rank_* shard folders; it is not a Megatron checkpoint")
+    return files
+
+
+def check_rank_files(iter_dir: Path, found, tp: int, pp: int) -> None:
+    """Refuse a checkpoint whose (tp, pp) rank files are not exactly those of TP tp x PP pp."""
+    expected = {(t, p) for t in range(tp) for p in range(pp)}
+    missing, extra = sorted(expected - set(found)), sorted(set(found) - expected)
+    if missing:
+        raise CheckpointError(f"{iter_dir}: missing shard(s) {missing} (tp, pp) for TP {tp} x PP {pp}; copy the "
+                              "whole iteration folder")
+    if extra:
+        raise CheckpointError(f"{iter_dir}: extra shard(s) {extra} (tp, pp) beyond TP {tp} x PP {pp} of the args; "
+                              "shards of another layout are mixed in: remove them")
 
 
 def staging_dir(save: Path, iteration) -> Path:
