@@ -28,7 +28,7 @@ from megatron_core.errors import UserError
 CHECKPOINT_VERSION = 3.0
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 MODEL_FILENAME = "model_optim_rng.pt"
-DISTRIB_OPTIM_FILENAME = "distrib_optim.pt"  # the distributed optimizer's gathered shards, beside the model file
+OPTIM_STATE_KEYS = ("fp32_param", "exp_avg", "exp_avg_sq")  # per-parameter optimizer state, by model name
 
 RELEASE = "release"  # the tracker's word for a checkpoint of weights only (import-hf, Megatron-LM releases)
 
@@ -227,6 +227,11 @@ def check_rank_files(iter_dir: Path, found, tp: int, pp: int) -> None:
     if extra:
         raise CheckpointError(f"{iter_dir}: extra shard(s) {extra} (tp, pp) beyond TP {tp} x PP {pp} of the args; "
                               "shards of another layout are mixed in: remove them")
+
+
+def distrib_optim_filename(dp_rank: int) -> str:
+    """Each DP rank's file of distributed-optimizer pieces, beside its (TP, PP) rank's model file."""
+    return f"distrib_optim_dp_{dp_rank:03d}.pt"
 
 
 def staging_dir(save: Path, iteration) -> Path:

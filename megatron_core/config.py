@@ -193,6 +193,10 @@ RESUME_SAFE_KEYS = frozenset(
         "hardware",
         "version",
         "evaluate",
+        # The layout: a resume re-slices weights and optimizer state for any TP x PP x DP; the
+        # vocabulary padding may change with it as long as the padded size stays (checked on load).
+        "parallel",
+        "model.make_vocab_size_divisible_by",
     }
 )
 

@@ -1,8 +1,13 @@
 """A whole training state in Megatron's checkpoint format (megatron_core.checkpoint_format):
 what goes into each rank's file, the collective save, resume-time checks, RNG state.
 
-Every (TP, PP) rank with DP rank 0 writes its own file into the staging directory, all ranks meet
-at a barrier, global rank 0 publishes the iteration (directory into place, then the tracker).
+Every (TP, PP) rank with DP rank 0 writes its own file into the staging directory (with the
+distributed optimizer every DP rank also writes its own pieces of the optimizer state), all ranks
+meet at a barrier, global rank 0 publishes the iteration (directory into place, then the tracker).
+
+A resume works under any layout: when the checkpoint's TP x PP differs from this run's, every rank
+reads all rank files of the iteration, merges weights and per-parameter optimizer state into full
+tensors (the merge rules convert uses) and keeps its own slice (`load_latest`).
 """
 
 from __future__ import annotations
@@ -20,19 +25,24 @@ import torch.distributed as dist
 from megatron_core import parallel_state
 from megatron_core.checkpoint_format import (  # noqa: F401 - re-exported: the names training callers use
     CHECKPOINT_VERSION,
-    DISTRIB_OPTIM_FILENAME,
     MODEL_FILENAME,
+    OPTIM_STATE_KEYS,
     RELEASE,
     TRACKER_FILENAME,
     CheckpointError,
+    check_rank_files,
     checkpoint_file,
+    distrib_optim_filename,
+    find_rank_files,
     flatten_model_state,
     iteration_dir,
     load_checkpoint_file,
+    merge_rank_states,
     nest_model_state,
     publish_iteration,
     rank_dirname,
     read_tracker,
+    split_rank_state,
     staging_dir,
     write_rank_file,
 )
@@ -41,10 +51,6 @@ def _my_rank() -> tuple[int, int, int]:
     """(tp rank, pp rank, pp size) of this process."""
     return (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank(),
             parallel_state.get_pipeline_model_parallel_world_size())
-
-
-def _my_rank_file(save: Path, iteration: int) -> Path:
-    return checkpoint_file(save, iteration, *_my_rank())
 
 
 def _barrier() -> None:
@@ -134,10 +140,10 @@ def save_checkpoint(save, iteration: int, *, model_state: dict, args: argparse.N
     if is_global_zero:
         shutil.rmtree(staging_dir(save, iteration), ignore_errors=True)  # leftovers of a save killed midway
     _barrier()
-    # The distributed optimizer gathers its shards to DP rank 0 (collective: every DP rank joins).
-    sharded = None
-    if save_optim and optimizer is not None and hasattr(optimizer, "sharded_state_dict"):
-        sharded = optimizer.sharded_state_dict()
+    optim = optimizer.state_dict() if save_optim and optimizer is not None else None
+    if optim is not None and optim.get("distributed_optimizer"):  # every DP rank writes its own pieces
+        write_rank_file(save, iteration, *_my_rank(), {"param_state": optimizer.param_state()},
+                        filename=distrib_optim_filename(parallel_state.get_data_parallel_rank()))
     if parallel_state.get_data_parallel_rank() == 0:
         state = {
             "args": args,
@@ -149,14 +155,12 @@ def save_checkpoint(save, iteration: int, *, model_state: dict, args: argparse.N
             "recipe_hash": recipe.hash,
             "consumed_train_samples": consumed_train_samples,
         }
-        if save_optim and optimizer is not None:
-            state["optimizer"] = optimizer.state_dict()
+        if optim is not None:
+            state["optimizer"] = optim
         if save_optim and scheduler is not None:
             state["opt_param_scheduler"] = scheduler.state_dict()
         if extra:
             state.update(extra)
-        if sharded is not None:
-            write_rank_file(save, iteration, *_my_rank(), sharded, filename=DISTRIB_OPTIM_FILENAME)
         write_rank_file(save, iteration, *_my_rank(), state)
     _barrier()
     final_dir = iteration_dir(save, iteration)
@@ -188,25 +192,104 @@ def check_recipe_compatible(recipe, saved_recipe: dict, saved_hash: str, where: 
 
 
 def load_latest(load, *, required: bool = False) -> Optional[tuple[int, dict]]:
-    """(iteration, this rank's checkpoint dict) of the latest checkpoint under `load`, or None."""
+    """(iteration, this rank's checkpoint dict) of the latest checkpoint under `load`, or None; see
+    `load_for_this_rank` for what the dict holds when the checkpoint was written under another layout."""
     load = Path(load)
     iteration = read_tracker(load)
     if iteration is None:
         if required:
             raise CheckpointError(f"no checkpoint under {load} (no {TRACKER_FILENAME}); check --load")
         return None
-    path = _my_rank_file(load, iteration)
-    if not path.exists() and iteration_dir(load, iteration).is_dir():
-        written = sorted(p.name for p in iteration_dir(load, iteration).iterdir() if p.is_dir())
-        raise CheckpointError(
-            f"{iteration_dir(load, iteration)} has no {path.parent.name} (it holds {', '.join(written) or 'nothing'}): "
-            f"it was written with another TP x PP layout than this run's "
-            f"{parallel_state.get_tensor_model_parallel_world_size()} x "
-            f"{parallel_state.get_pipeline_model_parallel_world_size()}; resume with that layout, or re-split it "
-            "(invoke convert, then invoke import-hf --tp N --pp M)")
-    return iteration, load_checkpoint_file(path)
+    return iteration, load_for_this_rank(iteration_dir(load, iteration))
 
 
-def load_distributed_optimizer_file(load, iteration: int) -> dict:
-    """This (TP, PP) rank's distrib_optim.pt (every DP rank reads it and takes its own slice)."""
-    return load_checkpoint_file(_my_rank_file(Path(load), iteration).with_name(DISTRIB_OPTIM_FILENAME))
+def load_for_this_rank(iter_dir: Path) -> dict:
+    """This rank's checkpoint dict for this process's TP x PP layout, from a checkpoint of any
+    TP x PP x DP layout and either optimizer. `model` is this rank's nested weights; `optimizer`
+    (when saved) gains `param_state`: {model name: {fp32_param, exp_avg, exp_avg_sq}} in whole
+    tensors of this rank's parameters, whatever optimizer and DP size wrote it.
+
+    Same TP x PP: only this rank's own files are read. Another TP x PP: every rank reads every rank
+    file of the iteration and merges them (cheap for small models; at scale each rank reads the
+    whole checkpoint once, i.e. world size x checkpoint bytes from the filesystem, and holds one
+    full copy of weights and optimizer state in CPU memory while slicing). The other keys (args,
+    recipe, counters, RNG) come from the saved rank that holds this rank's first layer."""
+    files = find_rank_files(iter_dir)
+    tp, pp, tp_rank, pp_rank = (parallel_state.get_tensor_model_parallel_world_size(),
+                                parallel_state.get_pipeline_model_parallel_world_size(), *_my_rank()[:2])
+    first_pos = (tp_rank, pp_rank) if (tp_rank, pp_rank) in files else min(files)
+    first = load_checkpoint_file(files[first_pos])
+    args = first.get("args")
+    saved_tp = getattr(args, "tensor_model_parallel_size", None) or 1 + max(t for t, _ in files)
+    saved_pp = getattr(args, "pipeline_model_parallel_size", None) or 1 + max(p for _, p in files)
+    check_rank_files(iter_dir, files, saved_tp, saved_pp)
+    if (saved_tp, saved_pp) == (tp, pp):
+        state = first
+        state["model"], optim = _rank_states(iter_dir, first_pos, saved_pp, first)
+    else:
+        num_layers = args.num_layers
+        # The saved rank holding this rank's first layer gives the RNG and the other keys.
+        source = (min(tp_rank, saved_tp - 1), pp_rank * (num_layers // pp) // (num_layers // saved_pp))
+        loaded = {pos: first if pos == first_pos else load_checkpoint_file(path) for pos, path in files.items()}
+        per_rank = {pos: _rank_states(iter_dir, pos, saved_pp, ck) for pos, ck in loaded.items()}
+        tied = "output_layer.weight" not in per_rank[(0, saved_pp - 1)][0]
+
+        def mine(parts: dict) -> dict:
+            return split_rank_state(merge_rank_states(parts, saved_tp, saved_pp), tp, pp, tp_rank, pp_rank,
+                                    num_layers=num_layers, tied=tied)
+
+        state = loaded[source]
+        state["model"] = mine({pos: model for pos, (model, _) in per_rank.items()})
+        optim = None
+        if all(o is not None for _, o in per_rank.values()):
+            by_key = {key: mine({pos: {n: e[key] for n, e in o.items()} for pos, (_, o) in per_rank.items()})
+                      for key in OPTIM_STATE_KEYS}
+            optim = {name: {key: by_key[key][name] for key in OPTIM_STATE_KEYS} for name in by_key["exp_avg"]}
+        if tp != saved_tp and state.get("rng_state"):  # the TP tracker's streams are per TP rank
+            state["rng_state"][0]["rng_tracker_states"] = None
+    state["model"] = nest_model_state(state["model"])
+    if optim is not None:
+        state["optimizer"]["param_state"] = optim
+    else:
+        state.pop("optimizer", None)
+    return state
+
+
+def _rank_states(iter_dir: Path, pos: tuple[int, int], pp_size: int, ckpt: dict):
+    """(flat weights, {name: {fp32_param, exp_avg, exp_avg_sq}} or None) of one saved (TP, PP) rank,
+    the distributed optimizer's pieces from every DP rank's file glued into whole tensors."""
+    model = flatten_model_state(ckpt["model"])
+    optim = ckpt.get("optimizer")
+    if optim is None:
+        return model, None
+    if optim.get("distributed_optimizer"):
+        param_state = _glue_dp_pieces(iter_dir / rank_dirname(*pos, pp_size), ckpt["args"].data_parallel_size, model)
+    elif "param_state" in optim:
+        param_state = optim["param_state"]
+    else:  # Megatron-LM's own, or an older form: weights only (the trainer says the optimizer restarts)
+        return model, None
+    return model, {name: {"fp32_param": entry.get("fp32_param", model[name].float()), "exp_avg": entry["exp_avg"],
+                          "exp_avg_sq": entry["exp_avg_sq"]} for name, entry in param_state.items()}
+
+
+def _glue_dp_pieces(rank_dir: Path, dp_size: int, model: dict) -> dict:
+    """Whole tensors from each DP rank's pieces (distrib_optim_dp_XXX.pt), every element covered once."""
+    names = [distrib_optim_filename(r) for r in range(dp_size)]
+    missing = [n for n in names if not (rank_dir / n).exists()]
+    if missing:
+        raise CheckpointError(f"{rank_dir} lacks {', '.join(missing)} (the distributed optimizer state of "
+                              f"{len(missing)} of {dp_size} DP ranks); copy the whole iteration folder")
+    full: dict[str, dict[str, torch.Tensor]] = {}
+    covered = dict.fromkeys(model, 0)
+    for name_of_file in names:
+        for name, piece in load_checkpoint_file(rank_dir / name_of_file)["param_state"].items():
+            start, numel = piece["start"], piece["fp32_param"].numel()
+            for key in OPTIM_STATE_KEYS:
+                flat = full.setdefault(name, {}).setdefault(key, torch.zeros(model[name].numel()))
+                flat[start:start + numel] = piece[key]
+            covered[name] += numel
+    gaps = [n for n, count in covered.items() if count != model[n].numel()]
+    if gaps:
+        raise CheckpointError(f"{rank_dir}: the distributed optimizer files do not cover {gaps[:3]} exactly once; "
+                              "they come from different saves: copy one checkpoint's folder")
+    return {name: {k: t.view(model[name].shape) for k, t in entry.items()} for name, entry in full.items()}

@@ -106,9 +106,7 @@ class Trainer:
             self.logger.info(f"resuming with changed resume-safe keys: {', '.join(changed)}")
         self._load_model_weights(state, self.load_dir)
         if "optimizer" in state and "opt_param_scheduler" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
-            if hasattr(self.optimizer, "load_sharded_state_dict"):
-                self.optimizer.load_sharded_state_dict(ckpt.load_distributed_optimizer_file(self.load_dir, iteration))
+            self.optimizer.load_state_dict(state["optimizer"])  # param_state re-sliced for this layout
             self.scheduler.load_state_dict(state["opt_param_scheduler"])
         else:
             self.logger.info("checkpoint has no optimizer state (--no-save-optim): optimizer and LR restart; "
@@ -126,6 +124,15 @@ class Trainer:
                          f"({self.state.consumed_train_samples} samples consumed)")
 
     def _load_model_weights(self, state: dict, where: Path) -> None:
+        args = state.get("args")
+        saved_vocab = getattr(args, "padded_vocab_size", None)
+        if saved_vocab and saved_vocab != self.padded_vocab_size:  # Megatron pads to divisible_by x TP
+            multiple = getattr(args, "make_vocab_size_divisible_by", 1) * getattr(args, "tensor_model_parallel_size", 1)
+            tp = self.recipe.parallel.tensor_model_parallel_size
+            raise ckpt.CheckpointError(
+                f"the checkpoint in {where} pads the vocabulary to {saved_vocab} rows (a multiple of {multiple}), "
+                f"this run to {self.padded_vocab_size}; pad alike: --set make_vocab_size_divisible_by="
+                f"{multiple // tp if multiple % tp == 0 else multiple}")
         try:
             self._unwrapped().load_state_dict(ckpt.flatten_model_state(state["model"]))
         except RuntimeError as exc:  # shapes or names that do not fit this recipe's model
