@@ -75,9 +75,7 @@ def _load(recipe: str, set_) -> config.Recipe:
 def recipes(c, show=None):
     """List the recipes: name, version, GPUs, parameters, tokens to train."""
     if show:
-        import yaml
-
-        print(yaml.safe_dump(config.load_recipe(show).to_dict(), sort_keys=False))
+        print(config.load_recipe(show).to_yaml())
         return
     rows = [("name", "version", "family", "GPUs", "parameters", "tokens", "hash")]
     for path in config.list_recipe_files():
@@ -244,20 +242,23 @@ def import_hf(c, model, save, tp=1, pp=1, overwrite=False):
 
 
 @recipe_task(help={
-    "model": "HF model directory (default: the recipe run's converted model)",
+    "model": "HF model directory or Megatron checkpoint directory (default: the recipe run's converted model)",
+    "recipe": "recipe file, name or family (default: the checkpoint's own recipe.yaml, else codeparrot-tiny)",
     "humaneval": "also run HumanEval (default: the recipe's evaluate.humaneval)",
     "allow_code_execution": "REQUIRED to run generated code (sandboxed subprocess per sample)",
     "num_samples": "HumanEval samples per problem (default: the recipe's)",
     "temperature": "HumanEval sampling temperature", "top_p": "HumanEval nucleus top-p",
     "max_new_tokens": "HumanEval tokens per completion", "problems": "only the first N HumanEval problems",
 })
-def evaluate(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, model=None, humaneval=False,
+def evaluate(c, recipe=None, set_=None, workdir=DEFAULT_WORKDIR, model=None, humaneval=False,
              allow_code_execution=False, num_samples=None, temperature=None, top_p=None, max_new_tokens=None,
              problems=None):
     """Perplexity on the valid/test splits, and HumanEval pass@k when asked."""
+    from megatron_core.checkpoint_format import RECIPE_FILENAME
     from megatron_core.evaluate import evaluate as run_evaluate
 
-    r = _load(recipe, set_)
+    carried = Path(model or "") / RECIPE_FILENAME  # a checkpoint directory carries its run's recipe
+    r = _load(recipe or (str(carried) if model and carried.is_file() else DEFAULT_RECIPE), set_)
     run = workflow.run_dir(r, workdir)
     results = run_evaluate(r, model or str(run / "hf"), workdir=workdir, out_dir=str(run / "eval"),
                            humaneval=humaneval or None, allow_code_execution=allow_code_execution,

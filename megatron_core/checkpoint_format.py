@@ -296,6 +296,26 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+TOKENIZER_FILES = ("vocab.json", "merges.txt")  # kept in the checkpoint directory, beside the tracker
+RECIPE_FILENAME = "recipe.yaml"  # the resolved recipe of the run that wrote the checkpoint directory
+
+
+def tokenizer_copies(save: Path) -> tuple[Path, Path]:
+    """Where a checkpoint directory keeps its tokenizer (what training and import-hf write there)."""
+    return Path(save) / TOKENIZER_FILES[0], Path(save) / TOKENIZER_FILES[1]
+
+
+def write_tokenizer_files(save: Path, vocab_file, merge_file) -> None:
+    """Copy the tokenizer into the checkpoint directory (each file atomically), so the directory
+    converts and evaluates on its own."""
+    for source, target in zip((vocab_file, merge_file), tokenizer_copies(save)):
+        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+        shutil.copyfile(source, tmp)
+        with open(tmp, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+
+
 def _fsync_dir(path: Path) -> None:
     """Make a rename inside `path` durable (a no-op where directories cannot be opened)."""
     try:

@@ -251,6 +251,10 @@ class Recipe:
             out[name] = dataclasses.asdict(getattr(self, name))
         return out
 
+    def to_yaml(self) -> str:
+        """The resolved recipe as a recipe file (load_recipe reads it back with the same hash)."""
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
     @property
     def hash(self) -> str:
         return canonical_hash(self.to_dict())

@@ -78,6 +78,30 @@ def test_convert_refuses_an_occupied_target_and_import_hf_round_trips(smoke_pipe
     assert sorted(p.name for p in (tmp_path / "ckpt" / "release").iterdir()) == ["mp_rank_00", "mp_rank_01"]
 
 
+def test_a_checkpoint_directory_converts_and_evaluates_on_its_own(smoke_pipeline, tmp_path):
+    """The checkpoint directory carries the tokenizer and the recipe: a copy of it, moved elsewhere,
+    converts and evaluates from another working directory with only --load / --model."""
+    import shutil
+
+    workdir, run, _ = smoke_pipeline
+    moved = Path(shutil.copytree(run / "checkpoints", tmp_path / "moved"))
+    assert {"vocab.json", "merges.txt", "recipe.yaml"} <= {p.name for p in moved.iterdir()}
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+
+    def invoke_from_elsewhere(*args):
+        return subprocess.run([sys.executable, "-m", "invoke", "-r", str(ROOT), *args], cwd=elsewhere,
+                              capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    converted = invoke_from_elsewhere("convert", "--load", str(moved), "--save", str(tmp_path / "hf"))
+    assert converted.returncode == 0, converted.stdout[-1500:] + converted.stderr[-1500:]
+    assert f"tokenizer from the checkpoint directory: {moved / 'vocab.json'}" in converted.stdout
+    assert (tmp_path / "hf" / "vocab.json").read_bytes() == (moved / "vocab.json").read_bytes()
+    evaluated = invoke_from_elsewhere("evaluate", "--model", str(moved), "--workdir", str(workdir))
+    assert evaluated.returncode == 0, evaluated.stdout[-1500:] + evaluated.stderr[-1500:]
+    assert evaluated.stdout.startswith("recipe: smoke ") and "valid_ppl" in evaluated.stdout
+
+
 def test_training_continues_from_an_imported_hf_model(smoke_pipeline, tmp_path):
     """import-hf writes a weights-only (`release`) checkpoint; `invoke train --load` starts from those
     weights with a fresh optimizer, the way Megatron-LM starts from a release checkpoint."""

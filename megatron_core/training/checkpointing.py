@@ -27,9 +27,11 @@ from megatron_core.checkpoint_format import (  # noqa: F401 - re-exported: the n
     CHECKPOINT_VERSION,
     MODEL_FILENAME,
     OPTIM_STATE_KEYS,
+    RECIPE_FILENAME,
     RELEASE,
     TRACKER_FILENAME,
     CheckpointError,
+    atomic_write_text,
     check_rank_files,
     checkpoint_file,
     distrib_optim_filename,
@@ -44,7 +46,9 @@ from megatron_core.checkpoint_format import (  # noqa: F401 - re-exported: the n
     read_tracker,
     split_rank_state,
     staging_dir,
+    tokenizer_copies,
     write_rank_file,
+    write_tokenizer_files,
 )
 
 def _my_rank() -> tuple[int, int, int]:
@@ -132,10 +136,14 @@ def megatron_args(recipe, padded_vocab_size: int, *, iteration: int, consumed_tr
 
 def save_checkpoint(save, iteration: int, *, model_state: dict, args: argparse.Namespace, recipe,
                     optimizer=None, scheduler=None, consumed_train_samples: int, extra: Optional[dict] = None,
-                    save_optim: bool = True) -> Path:
+                    save_optim: bool = True, tokenizer_files=None) -> Path:
     """Write iteration `iteration` atomically; returns the iteration directory. Collective: every
-    rank calls it (DP rank 0 of each (TP, PP) writes)."""
+    rank calls it (DP rank 0 of each (TP, PP) writes). The directory carries what converting and
+    evaluating need: `tokenizer_files` (vocab, merges) are copied into `save` and named in
+    args.vocab_file / merge_file (Megatron-LM's way), and the resolved recipe goes to recipe.yaml."""
     save = Path(save)
+    if tokenizer_files:
+        args.vocab_file, args.merge_file = (str(p) for p in tokenizer_copies(save.resolve()))
     is_global_zero = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
     if is_global_zero:
         shutil.rmtree(staging_dir(save, iteration), ignore_errors=True)  # leftovers of a save killed midway
@@ -164,7 +172,10 @@ def save_checkpoint(save, iteration: int, *, model_state: dict, args: argparse.N
         write_rank_file(save, iteration, *_my_rank(), state)
     _barrier()
     final_dir = iteration_dir(save, iteration)
-    if is_global_zero:
+    if is_global_zero:  # what convert and evaluate need beside the weights, then the iteration
+        if tokenizer_files:
+            write_tokenizer_files(save, *tokenizer_files)
+        atomic_write_text(save / RECIPE_FILENAME, recipe.to_yaml())
         publish_iteration(save, iteration)
     _barrier()
     return final_dir

@@ -63,7 +63,8 @@ class Trainer:
     def __init__(self, recipe, model: torch.nn.Module, datasets, padded_vocab_size: int, run_dir: Path, *,
                  optimizer, device: torch.device, save: Optional[Path], load: Optional[Path],
                  save_optim: bool = True, params_dtype: str = "float32", logger: Optional[RunLogger] = None,
-                 forward_backward_func=None, device_name: str = "cpu", precision: str = "fp32") -> None:
+                 forward_backward_func=None, device_name: str = "cpu", precision: str = "fp32",
+                 tokenizer_files=None) -> None:
         from megatron_core.pipeline_parallel import get_forward_backward_func
 
         self.recipe, self.model, self.device = recipe, model, device
@@ -73,6 +74,7 @@ class Trainer:
         self.optimizer = optimizer
         self.save_dir, self.load_dir = (Path(save) if save else None), (Path(load) if load else None)
         self.save_optim, self.params_dtype, self.precision = save_optim, params_dtype, precision
+        self.tokenizer_files = tokenizer_files  # (vocab, merges) copied into every checkpoint directory
         self.logger = logger or RunLogger(self.run_dir, writer=_is_log_writer())
         self.forward_backward = forward_backward_func or get_forward_backward_func()
         t = recipe.training
@@ -167,7 +169,7 @@ class Trainer:
             optimizer=self.optimizer, scheduler=self.scheduler, consumed_train_samples=s.consumed_train_samples,
             extra={"train_counters": {"skipped_iterations": s.skipped_iterations,
                                       "nan_iterations": s.nan_iterations}},
-            save_optim=self.save_optim)
+            save_optim=self.save_optim, tokenizer_files=self.tokenizer_files)
         self.logger.info(f"saved checkpoint at iteration {s.iteration:7d} to {path} "
                          f"({time.time() - start:.2f} s)")
         return path
