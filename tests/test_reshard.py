@@ -164,24 +164,23 @@ def test_missing_distributed_optimizer_files_are_named(root, dp2, tmp_path):
     assert not (tmp_path / "save").exists()
 
 
-def test_a_changed_model_shape_is_refused_with_the_changed_keys(tp2pp2_checkpoint, tmp_path):
+def resume_tp1_with(model_changes: dict, load: Path, run_dir: Path):
     changed = recipe(TP1).to_dict()
-    changed["model"].update(hidden_size=64, num_attention_heads=8)
+    changed["model"].update(model_changes)
+    try:
+        proof.fit(recipe_from_dict(changed), run_dir, load=load)
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_a_changed_model_shape_is_refused_with_the_changed_keys(tp2pp2_checkpoint, tmp_path):
     with pytest.raises(ckpt.CheckpointError, match="changed keys that alter training: model.hidden_size, "
                                                    "model.num_attention_heads"):
-        try:
-            proof.fit(recipe_from_dict(changed), tmp_path / "run", load=tp2pp2_checkpoint)
-        finally:
-            ps.destroy_model_parallel()
+        resume_tp1_with({"hidden_size": 64, "num_attention_heads": 8}, tp2pp2_checkpoint, tmp_path)
 
 
 def test_another_vocabulary_padding_is_refused_with_the_fix(tp2pp2_checkpoint, tmp_path):
     """The TP 2 checkpoint pads 100 tokens to 128 (64 x TP 2); TP 1 with make_vocab_size_divisible_by 16 pads to 112."""
-    padded = recipe(TP1).to_dict()
-    padded["model"]["make_vocab_size_divisible_by"] = 16
     with pytest.raises(ckpt.CheckpointError, match="pads the vocabulary to 128 rows .*this run to 112; pad alike: "
                                                    "--set make_vocab_size_divisible_by=128"):
-        try:
-            proof.fit(recipe_from_dict(padded), tmp_path / "run", load=tp2pp2_checkpoint)
-        finally:
-            ps.destroy_model_parallel()
+        resume_tp1_with({"make_vocab_size_divisible_by": 16}, tp2pp2_checkpoint, tmp_path)
