@@ -113,20 +113,25 @@ class FP32MasterOptimizer:
         raise NotImplementedError
 
     def _step_count(self) -> int:
-        for value in self.optimizer.state.values():
+        for value in [*self.optimizer.param_groups, *self.optimizer.state.values()]:  # Apex counts per group
             if "step" in value:
                 return int(value["step"])
         return 0
 
     @torch.no_grad()
     def _load_adam_state(self, master: torch.Tensor, entry: dict, step: int) -> None:
-        """One master tensor's saved fp32 value and Adam moments (already cut to its shape)."""
+        """One master tensor's saved fp32 value and Adam moments (already cut to its shape) and the
+        step count where the inner Adam keeps it: per tensor (torch; on the device when fused) and
+        per group (Apex FusedAdam; torch ignores the key)."""
         if "fp32_param" in entry:  # absent: an fp32 model param is its own master
             master.copy_(entry["fp32_param"])
         inner = self.optimizer.state[master]
         for key in ADAM_STATE_KEYS:
             inner[key] = entry[key].to(master.device, torch.float32).clone()
-        inner["step"] = torch.tensor(float(step))
+        on_device = any(g.get("fused") or g.get("capturable") for g in self.optimizer.param_groups)
+        inner["step"] = torch.tensor(float(step), dtype=torch.float32, device=master.device if on_device else "cpu")
+        for group in self.optimizer.param_groups:
+            group["step"] = step
 
     def _adam_state(self, master: torch.Tensor) -> dict[str, torch.Tensor]:
         state = self.optimizer.state.get(master, {})
