@@ -61,7 +61,8 @@ def _assert_same_losses(run_dir: Path, reference: Path, after: int) -> None:
 def test_checkpoint_layout_keys_and_shapes(reference):
     save = reference / "checkpoints"
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
-    assert sorted(p.name for p in save.iterdir()) == ["iter_0000008", "iter_0000016", "latest_checkpointed_iteration.txt"]
+    assert sorted(p.name for p in save.iterdir()) == ["iter_0000008", "iter_0000016", "latest_checkpointed_iteration.txt",
+                                                      "recipe.yaml"]  # no tokenizer files: trained from token ids
     state = ckpt.load_checkpoint_file(save / "iter_0000016" / "mp_rank_00" / "model_optim_rng.pt")
     assert set(state) >= {"args", "checkpoint_version", "iteration", "model", "optimizer", "opt_param_scheduler",
                           "rng_state", "recipe", "recipe_hash", "consumed_train_samples"}

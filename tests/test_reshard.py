@@ -4,7 +4,8 @@ continues under another exactly like the run that wrote it.
 A TP 2 x PP 2 run trains 12 iterations and checkpoints at iteration 6; TP 1, DP 2 with the
 distributed optimizer and PP 2 x DP 2 resume from that checkpoint and must reproduce its losses of
 iterations 7-12 within 1e-4 (relative). The reverse: TP 2 x PP 2 resumes from a TP 1 checkpoint and
-must reproduce the TP 1 run's losses. What must carry over: weights, fp32 masters, Adam moments,
+must reproduce the TP 1 run's losses; TP 1 resumes the DP 2 run's distributed-optimizer pieces
+(checkpoint at 9). What must carry over: weights, fp32 masters, Adam moments,
 step count, LR schedule, consumed samples. Dropout is 0 (the harness's recipe): the dropout RNG
 streams are per TP rank, so they cannot continue across a TP change; without dropout nothing else
 in the loss draws random numbers, and test_parallel_equivalence.py shows every layout trains like
@@ -47,12 +48,12 @@ def run(layout: proof.Layout, run_dir: Path, *, save=None, load=None, **training
         ps.destroy_model_parallel()
 
 
-def at_6(save: Path) -> Path:
-    """A checkpoint directory holding only `save`'s iteration 6 (the runs also save at their end)."""
-    copy = save.with_name(save.name + "-at-6")
+def checkpoint_at(save: Path, iteration: int = SAVED_AT) -> Path:
+    """A checkpoint directory holding only `save`'s `iteration` (the runs also save at their end)."""
+    copy = save.with_name(f"{save.name}-at-{iteration}")
     if not copy.exists():
-        shutil.copytree(save / f"iter_{SAVED_AT:07d}", copy / f"iter_{SAVED_AT:07d}")
-        (copy / ckpt.TRACKER_FILENAME).write_text(f"{SAVED_AT}\n")
+        shutil.copytree(save / f"iter_{iteration:07d}", copy / f"iter_{iteration:07d}")
+        (copy / ckpt.TRACKER_FILENAME).write_text(f"{iteration}\n")
     return copy
 
 
@@ -65,17 +66,17 @@ def four_rank_work(root: str) -> dict:
     root = Path(root)
     reference = run(TP2_PP2, root / "tp2pp2", save=root / "tp2pp2-ckpt")
     if dist.get_rank() == 0:
-        at_6(root / "tp2pp2-ckpt")
+        checkpoint_at(root / "tp2pp2-ckpt")
     dist.barrier()
     return {"reference": reference,
             "pp2dp2": run(PP2_DP2, root / "pp2dp2", load=root / "tp2pp2-ckpt-at-6"),
-            "reverse": run(TP2_PP2, root / "reverse", load=at_6(root / "tp1-ckpt"))}
+            "reverse": run(TP2_PP2, root / "reverse", load=checkpoint_at(root / "tp1-ckpt"))}
 
 
 def dp2_work(root: str):
     torch.set_num_threads(1)
     root = Path(root)
-    return run(DP2_DISTOPT, root / "dp2", load=root / "tp2pp2-ckpt-at-6", save=root / "dp2-ckpt")
+    return run(DP2_DISTOPT, root / "dp2", load=root / "tp2pp2-ckpt-at-6", save=root / "dp2-ckpt", save_interval=3)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,7 @@ def tp1(root) -> dict:
     """The single process: 12 iterations, checkpoint at 6 (what the reverse case starts from)."""
     torch.set_num_threads(1)
     losses = run(TP1, root / "tp1", save=root / "tp1-ckpt")
-    at_6(root / "tp1-ckpt")  # made here: the four ranks would race to make it
+    checkpoint_at(root / "tp1-ckpt")  # made here: the four ranks would race to make it
     return losses
 
 
@@ -103,8 +104,8 @@ def tp2pp2_checkpoint(root, four_rank) -> Path:
     return root / "tp2pp2-ckpt-at-6"
 
 
-def assert_continues(losses: dict, reference: dict, name: str) -> None:
-    assert sorted(losses) == list(range(SAVED_AT + 1, ITERS + 1)), f"{name} ran iterations {sorted(losses)}"
+def assert_continues(losses: dict, reference: dict, name: str, after: int = SAVED_AT) -> None:
+    assert sorted(losses) == list(range(after + 1, ITERS + 1)), f"{name} ran iterations {sorted(losses)}"
     for it in losses:
         want = reference[it]
         assert abs(losses[it] - want) <= RTOL * abs(want), f"{name}: iteration {it} loss {losses[it]!r} vs {want!r}"
@@ -130,6 +131,13 @@ def dp2(root, four_rank) -> dict:
 
 def test_dp2_distributed_optimizer_resumes_a_tp2_pp2_checkpoint(four_rank, dp2):
     assert_continues(dp2, four_rank["reference"], "DP2 distributed optimizer from TP2xPP2")
+
+
+def test_tp1_resumes_the_pieces_of_a_dp2_distributed_optimizer_checkpoint(root, four_rank, dp2):
+    """Same TP x PP, another DP size and the ordinary optimizer: the DP ranks' pieces are glued back."""
+    torch.set_num_threads(1)
+    losses = run(TP1, root / "tp1-from-dp2", load=checkpoint_at(root / "dp2-ckpt", 9))
+    assert_continues(losses, four_rank["reference"], "TP1 from DP2 distributed optimizer", after=9)
 
 
 def test_pp2_dp2_resumes_a_tp2_pp2_checkpoint(four_rank):
