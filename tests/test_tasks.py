@@ -175,3 +175,30 @@ def test_kernel_bench_task_says_it_needs_a_gpu():
     kernels = invoke("bench.kernels")
     assert kernels.returncode == 0
     assert json.loads(kernels.stdout.strip().splitlines()[-1]) == {"skipped": "needs a CUDA GPU"}
+
+
+def test_readme_nproc_form_trains_and_resumes_under_another_layout(smoke_pipeline):
+    """The README's `invoke train --nproc 2 --set tensor_model_parallel_size=2` (on the smoke recipe, whose
+    data the pipeline built), then its resume as PP 2 with --load, the README's next form."""
+    import shutil
+
+    workdir, _, _ = smoke_pipeline
+    readme = (ROOT / "README.md").read_text()
+    assert "invoke train --recipe codeparrot-tiny --nproc 2 --set tensor_model_parallel_size=2\n" in readme
+    assert "--nproc 2 --set pipeline_model_parallel_size=2 --load " in readme
+    tp2 = invoke("train", "--recipe", "smoke", "--workdir", str(workdir), "--nproc", "2",
+                 "--set", "tensor_model_parallel_size=2")
+    assert tp2.returncode == 0, tp2.stdout[-1500:] + tp2.stderr[-1500:]
+    tp2_run = Path(tp2.stdout.strip().splitlines()[-1].removeprefix("run directory: "))
+    pp2 = invoke("train", "--recipe", "smoke", "--workdir", str(workdir), "--nproc", "2",
+                 "--set", "pipeline_model_parallel_size=2", "--set", "train_iters=24",
+                 "--load", str(tp2_run / "checkpoints"))
+    assert pp2.returncode == 0, pp2.stdout[-1500:] + pp2.stderr[-1500:]
+    pp2_run = Path(pp2.stdout.strip().splitlines()[-1].removeprefix("run directory: "))
+    try:
+        assert f"resumed from {tp2_run / 'checkpoints' / 'iter_0000020'} at iteration 20" in pp2.stdout + pp2.stderr
+        trained = [json.loads(line) for line in (pp2_run / "metrics.jsonl").read_text().splitlines()]
+        assert [m["iteration"] for m in trained if m["type"] == "train"] == [22, 24]
+    finally:  # other tests look for the pipeline's run among the recipe's runs
+        shutil.rmtree(tp2_run)
+        shutil.rmtree(pp2_run)
