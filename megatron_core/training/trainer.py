@@ -106,6 +106,11 @@ class Trainer:
         changed = ckpt.check_recipe_compatible(self.recipe, state["recipe"], state["recipe_hash"], self.load_dir)
         if changed:
             self.logger.info(f"resuming with changed resume-safe keys: {', '.join(changed)}")
+        saved_tp, tp = getattr(state["args"], "tensor_model_parallel_size", None), ps.get_tensor_model_parallel_world_size()
+        if saved_tp not in (None, tp):
+            self.logger.info(f"the checkpoint was written under TP {saved_tp}: weights and optimizer state are "
+                             f"re-sliced for TP {tp}; the dropout RNG streams restart from the seed (exact only "
+                             "without dropout)")
         self._load_model_weights(state, self.load_dir)
         if "optimizer" in state and "opt_param_scheduler" in state:
             self.optimizer.load_state_dict(state["optimizer"])  # param_state re-sliced for this layout
