@@ -33,6 +33,7 @@ TP2_PP2 = proof.Layout("TP2xPP2", tp=2, pp=2)
 TP1 = proof.Layout("TP1")
 DP2_DISTOPT = proof.Layout("DP2 distributed optimizer", dp=2, distributed_optimizer=True)
 PP2_DP2 = proof.Layout("PP2xDP2", pp=2, dp=2)
+PP2_VPP2 = proof.Layout("PP2 VPP2", pp=2, vpp_layers=1)
 
 
 def recipe(layout: proof.Layout, **training):
@@ -146,6 +147,31 @@ def test_pp2_dp2_resumes_a_tp2_pp2_checkpoint(four_rank):
 
 def test_tp2_pp2_resumes_a_tp1_checkpoint(four_rank, tp1):
     assert_continues(four_rank["reverse"], tp1, "TP2xPP2 from TP1")
+
+
+def vpp_work(root: str):
+    torch.set_num_threads(1)
+    root = Path(root)
+    return run(PP2_VPP2, root / "vpp", load=root / "tp1-ckpt-at-6", save=root / "vpp-ckpt", save_interval=3)
+
+
+@pytest.fixture(scope="module")
+def vpp(root, tp1) -> dict:
+    """PP 2 with 2 virtual chunks per rank (model0, model1) resuming the TP 1 checkpoint at 6; it saves at 9."""
+    return next(r for r in run_distributed(vpp_work, 2, str(root), timeout=300) if r is not None)
+
+
+def test_pp2_vpp2_resumes_a_tp1_checkpoint_chunk_by_chunk(root, tp1, vpp):
+    """Each (PP rank, chunk) is a pipeline position in model order: chunk c of rank r gets layer c x PP + r."""
+    assert_continues(vpp, tp1, "PP2 VPP2 from TP1")
+    saved = ckpt.load_checkpoint_file(root / "vpp-ckpt" / f"iter_{9:07d}" / "mp_rank_00_000" / ckpt.MODEL_FILENAME)
+    assert "model" not in saved and sorted(k for k in saved if k.startswith("model")) == ["model0", "model1"]
+
+
+def test_tp1_resumes_a_pp2_vpp2_checkpoint(root, tp1, vpp):
+    torch.set_num_threads(1)
+    losses = run(TP1, root / "tp1-from-vpp", load=checkpoint_at(root / "vpp-ckpt", 9))
+    assert_continues(losses, tp1, "TP1 from PP2 VPP2", after=9)
 
 
 # -- bad input ---------------------------------------------------------------------------------------
