@@ -75,9 +75,7 @@ def _load(recipe: str, set_) -> config.Recipe:
 def recipes(c, show=None):
     """List the recipes: name, version, GPUs, parameters, tokens to train."""
     if show:
-        import yaml
-
-        print(yaml.safe_dump(config.load_recipe(show).to_dict(), sort_keys=False))
+        print(config.load_recipe(show).to_yaml())
         return
     rows = [("name", "version", "family", "GPUs", "parameters", "tokens", "hash", "pinned")]
     unpinned = {}
@@ -136,16 +134,17 @@ def preprocess(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, for
 # ----------------------------------------------------------------------------------------------
 
 
-def _launch_recipe(r: config.Recipe, recipe: str, set_, nproc: int, nnodes: int):
+def _launch_recipe(recipe: str, set_, nproc: int, nnodes: int):
     """(the recipe as the started processes resolve it, its overrides, processes per node). By default
-    the recipe's world size is split over the nodes; an explicit --nproc that makes another world size
-    is written into the overrides here, so the run directory and the processes' recipe hash agree."""
-    nproc = nproc or max(1, r.parallel.world_size // max(nnodes, 1))
+    the recipe's world size is split over the nodes; an explicit --nproc sets the world size to
+    nproc x nnodes, written into the overrides before the recipe (and its layout) is validated, so
+    layout flags beside it (--set tensor_model_parallel_size=2) are checked against that world and
+    the run directory and the processes' recipe hash agree."""
     overrides = list(set_ or [])
-    if nproc * nnodes != r.parallel.world_size:
+    if nproc:
         overrides.append(f"parallel.world_size={nproc * nnodes}")
-        r = config.load_recipe(recipe, overrides)
-    return r, overrides, nproc
+    r = _load(recipe, overrides)
+    return r, overrides, nproc or max(1, r.parallel.world_size // max(nnodes, 1))
 
 
 def _train_command(r: config.Recipe, overrides, nproc, nnodes, node_rank, master_addr, master_port,
@@ -186,7 +185,7 @@ TRAIN_HELP = {
 def train(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, nproc=0, nnodes=1, node_rank=0,
           master_addr="127.0.0.1", master_port=29500, rdzv_endpoint=None, load=None, no_save_optim=False):
     """Train the recipe (running the missing data steps first); prints the run directory."""
-    r, overrides, nproc = _launch_recipe(_load(recipe, set_), recipe, set_, nproc, nnodes)
+    r, overrides, nproc = _launch_recipe(recipe, set_, nproc, nnodes)
     workflow.ensure_training_inputs(r, workdir)
     cmd = _train_command(r, overrides, nproc, nnodes, node_rank, master_addr, master_port, rdzv_endpoint, load,
                          no_save_optim, workdir)
@@ -254,7 +253,8 @@ def import_hf(c, model, save, tp=1, pp=1, vpp_layers=None, overwrite=False):
 
 
 @recipe_task(help={
-    "model": "HF model directory (default: the recipe run's converted model)",
+    "model": "HF model directory or Megatron checkpoint directory (default: the recipe run's converted model)",
+    "recipe": "recipe file, name or family (default: the checkpoint's own recipe.yaml, else codeparrot-tiny)",
     "humaneval": "also run HumanEval (default: the recipe's evaluate.humaneval)",
     "allow_code_execution": "REQUIRED to run generated code (sandboxed subprocess per sample)",
     "num_samples": "HumanEval samples per problem (default: the recipe's)",
@@ -265,13 +265,15 @@ def import_hf(c, model, save, tp=1, pp=1, vpp_layers=None, overwrite=False):
     "generation_batch": "HumanEval rows per generation batch (default: what GPU memory holds; 16 on a CPU)",
     "workers": "sandboxed samples run at once (default: the CPU count)",
 })
-def evaluate(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, model=None, humaneval=False,
+def evaluate(c, recipe=None, set_=None, workdir=DEFAULT_WORKDIR, model=None, humaneval=False,
              allow_code_execution=False, num_samples=None, temperature=None, top_p=None, max_new_tokens=None,
              problems=None, device="auto", dtype="auto", generation_batch=None, workers=None):
     """Perplexity on the valid/test splits, and HumanEval pass@k when asked."""
+    from megatron_core.checkpoint_format import RECIPE_FILENAME
     from megatron_core.evaluate import evaluate as run_evaluate
 
-    r = _load(recipe, set_)
+    carried = Path(model or "") / RECIPE_FILENAME  # a checkpoint directory carries its run's recipe
+    r = _load(recipe or (str(carried) if model and carried.is_file() else DEFAULT_RECIPE), set_)
     run = workflow.run_dir(r, workdir)
     results = run_evaluate(r, model or str(run / "hf"), workdir=workdir, out_dir=str(run / "eval"),
                            humaneval=humaneval or None, allow_code_execution=allow_code_execution,

@@ -28,7 +28,7 @@ from megatron_core.errors import UserError
 CHECKPOINT_VERSION = 3.0
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 MODEL_FILENAME = "model_optim_rng.pt"
-DISTRIB_OPTIM_FILENAME = "distrib_optim.pt"  # the distributed optimizer's gathered shards, beside the model file
+OPTIM_STATE_KEYS = ("fp32_param", "exp_avg", "exp_avg_sq")  # per-parameter optimizer state, by model name
 
 RELEASE = "release"  # the tracker's word for a checkpoint of weights only (import-hf, Megatron-LM releases)
 
@@ -124,6 +124,102 @@ def model_chunks(checkpoint: dict, where="checkpoint") -> list[dict]:
 
 
 # ----------------------------------------------------------------------------------------------
+# Merging and splitting over TP x PP (docs/checkpoint-format.md, "Shapes per TP rank"): what convert
+# and a resume under another layout share. A "full" state uses the canonical names: flat, global
+# layer numbers, no word_embeddings_for_head (a copy of the word embedding).
+# ----------------------------------------------------------------------------------------------
+
+_VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "word_embeddings_for_head.weight", "output_layer.weight")
+_COLUMN_PARALLEL = ("self_attention.query_key_value.weight", "self_attention.query_key_value.bias",
+                    "mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias")
+_ROW_PARALLEL = ("self_attention.dense.weight", "mlp.dense_4h_to_h.weight")
+LAYER_KEY = re.compile(r"^encoder\.layers\.(\d+)\.(.+)$")
+
+
+def tp_partition_dim(name: str) -> Optional[int]:
+    """The dimension a tensor-parallel weight is split along; None for a replicated one."""
+    if name in _VOCAB_PARALLEL or name.endswith(_COLUMN_PARALLEL):
+        return 0
+    if name.endswith(_ROW_PARALLEL):
+        return 1
+    return None
+
+
+def merge_rank_states(stage_states: dict, tp: int, pp: int) -> dict[str, torch.Tensor]:
+    """{(tp rank, pp rank): flat state, stage-local layer numbers} -> the full state. TP shards are
+    concatenated along their partition dim; replicated tensors must be bitwise equal across TP ranks."""
+    merged: dict[str, torch.Tensor] = {}
+    layer_offset = 0
+    for stage in range(pp):
+        per_rank = [stage_states[(t, stage)] for t in range(tp)]
+        names = list(per_rank[0])
+        for t, names_t in enumerate(per_rank):
+            if set(names_t) != set(names):
+                diff = sorted(set(names) ^ set(names_t))[:4]
+                raise CheckpointError(f"TP rank {t} of stage {stage} holds different weights than rank 0 ({diff}); "
+                                      "shards from different models are mixed")
+        for name in names:
+            parts = [r[name] for r in per_rank]
+            dim = tp_partition_dim(name)
+            if dim is None:
+                full = parts[0]
+                if any(not torch.equal(full, p) for p in parts[1:]):
+                    raise CheckpointError(f"stage {stage}: the TP ranks hold different copies of the replicated "
+                                          f"{name}; shards from different runs or iterations are mixed: copy one "
+                                          "checkpoint's shards")
+            else:
+                full = torch.cat(parts, dim=dim) if tp > 1 else parts[0]
+            match = LAYER_KEY.match(name)
+            if match:
+                name = f"encoder.layers.{int(match.group(1)) + layer_offset}.{match.group(2)}"
+            if name != _HEAD_PREFIX + "weight":
+                merged[name] = full
+        layer_offset += len({m.group(1) for m in map(LAYER_KEY.match, names) if m})
+    return merged
+
+
+def split_rank_state(state: dict, tp: int, pp: int, tp_rank: int, pp_rank: int, *, num_layers: int,
+                     tied: bool) -> dict[str, torch.Tensor]:
+    """The full state -> one rank's flat state (the inverse of merge_rank_states for that rank)."""
+    per_stage = num_layers // pp
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    flat = {}
+    for name, tensor in state.items():
+        match = LAYER_KEY.match(name)
+        if match:
+            layer = int(match.group(1)) - pp_rank * per_stage
+            names = [f"encoder.layers.{layer}.{match.group(2)}"] if 0 <= layer < per_stage else []
+        elif name.startswith(_EMBEDDING_PREFIX):
+            names = [name] if first else []
+            if last and not first and tied and name == "embedding.word_embeddings.weight":
+                names.append(_HEAD_PREFIX + "weight")
+        else:  # final layernorm, output layer
+            names = [name] if last else []
+        dim = tp_partition_dim(name)
+        for target in names:
+            flat[target] = (tensor.chunk(tp, dim=dim)[tp_rank] if dim is not None else tensor).clone()
+    return flat
+
+
+# Under the interleaved schedule each PP rank holds `chunks` model chunks; chunk c of PP rank r is
+# pipeline position c x PP + r of PP x chunks positions in model order (parallel_state.stage_layers),
+# so the rules above serve it unchanged, one position per (PP rank, chunk).
+
+def merge_chunked_states(rank_chunks: dict, tp: int, pp: int) -> dict[str, torch.Tensor]:
+    """{(tp rank, pp rank): [flat state of chunk 0, chunk 1, ...]} -> the full state."""
+    chunks = len(next(iter(rank_chunks.values())))
+    positions = {(t, c * pp + r): states[c] for (t, r), states in rank_chunks.items() for c in range(chunks)}
+    return merge_rank_states(positions, tp, pp * chunks)
+
+
+def split_chunked_state(state: dict, tp: int, pp: int, tp_rank: int, pp_rank: int, chunks: int, *,
+                        num_layers: int, tied: bool) -> list[dict[str, torch.Tensor]]:
+    """The full state -> one rank's flat states, one per model chunk (the inverse of merge_chunked_states)."""
+    return [split_rank_state(state, tp, pp * chunks, tp_rank, c * pp + pp_rank, num_layers=num_layers, tied=tied)
+            for c in range(chunks)]
+
+
+# ----------------------------------------------------------------------------------------------
 # Paths
 # ----------------------------------------------------------------------------------------------
 
@@ -144,6 +240,39 @@ def parse_rank_dirname(name: str) -> Optional[tuple[int, int]]:
     """(tp rank, pp rank) of a rank directory's name, None for anything else (inverse of rank_dirname)."""
     match = _RANK_DIRNAME.match(name)
     return None if match is None else (int(match[1]), int(match[2] or 0))
+
+
+def find_rank_files(iter_dir: Path) -> dict[tuple[int, int], Path]:
+    """{(tp rank, pp rank): model file} of every rank directory in an iteration directory."""
+    files = {}
+    for child in sorted(Path(iter_dir).iterdir()):
+        ranks = parse_rank_dirname(child.name)
+        if ranks is None:
+            continue
+        if not (child / MODEL_FILENAME).exists():
+            raise CheckpointError(f"shard {child} has no {MODEL_FILENAME}; the checkpoint is incomplete "
+                                  "(re-save or copy it again)")
+        files[ranks] = child / MODEL_FILENAME
+    if not files:
+        raise CheckpointError(f"{iter_dir} holds no mp_rank_* shard folders; it is not a Megatron checkpoint")
+    return files
+
+
+def check_rank_files(iter_dir: Path, found, tp: int, pp: int) -> None:
+    """Refuse a checkpoint whose (tp, pp) rank files are not exactly those of TP tp x PP pp."""
+    expected = {(t, p) for t in range(tp) for p in range(pp)}
+    missing, extra = sorted(expected - set(found)), sorted(set(found) - expected)
+    if missing:
+        raise CheckpointError(f"{iter_dir}: missing shard(s) {missing} (tp, pp) for TP {tp} x PP {pp}; copy the "
+                              "whole iteration folder")
+    if extra:
+        raise CheckpointError(f"{iter_dir}: extra shard(s) {extra} (tp, pp) beyond TP {tp} x PP {pp} of the args; "
+                              "shards of another layout are mixed in: remove them")
+
+
+def distrib_optim_filename(dp_rank: int) -> str:
+    """Each DP rank's file of distributed-optimizer pieces, beside its (TP, PP) rank's model file."""
+    return f"distrib_optim_dp_{dp_rank:03d}.pt"
 
 
 def staging_dir(save: Path, iteration) -> Path:
@@ -206,6 +335,26 @@ def atomic_write_text(path: Path, text: str) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)
+
+
+TOKENIZER_FILES = ("vocab.json", "merges.txt")  # kept in the checkpoint directory, beside the tracker
+RECIPE_FILENAME = "recipe.yaml"  # the resolved recipe of the run that wrote the checkpoint directory
+
+
+def tokenizer_copies(save: Path) -> tuple[Path, Path]:
+    """Where a checkpoint directory keeps its tokenizer (what training and import-hf write there)."""
+    return Path(save) / TOKENIZER_FILES[0], Path(save) / TOKENIZER_FILES[1]
+
+
+def write_tokenizer_files(save: Path, vocab_file, merge_file) -> None:
+    """Copy the tokenizer into the checkpoint directory (each file atomically), so the directory
+    converts and evaluates on its own."""
+    for source, target in zip((vocab_file, merge_file), tokenizer_copies(save)):
+        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+        shutil.copyfile(source, tmp)
+        with open(tmp, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
 
 
 def _fsync_dir(path: Path) -> None:

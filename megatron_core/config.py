@@ -206,6 +206,10 @@ RESUME_SAFE_KEYS = frozenset(
         "hardware",
         "version",
         "evaluate",
+        # The layout: a resume re-slices weights and optimizer state for any TP x PP x DP; the
+        # vocabulary padding may change with it as long as the padded size stays (checked on load).
+        "parallel",
+        "model.make_vocab_size_divisible_by",
     }
 )
 
@@ -268,6 +272,10 @@ class Recipe:
             if out[section][key] is None:
                 del out[section][key]
         return out
+
+    def to_yaml(self) -> str:
+        """The resolved recipe as a recipe file (load_recipe reads it back with the same hash)."""
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     @property
     def hash(self) -> str:

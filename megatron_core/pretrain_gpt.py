@@ -255,7 +255,7 @@ def train(recipe: Recipe, run_dir, data_prefix, tokenizer_files=None, load=None,
     logger.info(f"run directory: {run_dir}; checkpoints: save {save}, load {load}")
     trainer = Trainer(recipe, model, datasets, padded_vocab, run_dir, optimizer=optimizer, device=device, save=save,
                       load=load, save_optim=save_optim, params_dtype=str(dtype).replace("torch.", ""),
-                      logger=logger, device_name=name, precision=precision)
+                      logger=logger, device_name=name, precision=precision, tokenizer_files=tokenizer_files)
     return trainer.fit()
 
 

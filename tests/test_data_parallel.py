@@ -74,33 +74,34 @@ def both_kinds() -> list[dict]:
 
 
 def distributed_optimizer_resume() -> dict:
-    """Train DP2 with the distributed optimizer 3 steps, save sharded state; train 2 more. A fresh
-    model + optimizer loaded from the saved state must take the same 2 steps bit for bit."""
+    """Train DP2 with the distributed optimizer 3 steps, keep this rank's pieces (nothing gathered);
+    train 2 more. A fresh model + optimizer loaded from the pieces must take the same 2 steps bit for bit."""
     import test_parallel_equivalence as proof
 
     layout = proof.Layout("DP2 distopt resume", dp=2, distributed_optimizer=True)
     run_root = Path(tempfile.mkdtemp())
     try:
         model, module, optimizer, _ = proof.fit(proof.make_recipe(layout, train_iters=3), run_root / "a")
-        saved = optimizer.sharded_state_dict()
-        blob = [saved]
-        dist.broadcast_object_list(blob, src=dist.get_global_rank(ps.get_data_parallel_group(), 0))
-        plain_state = optimizer.state_dict()
+        pieces, plain_state = optimizer.param_state(), optimizer.state_dict()
         model_state = {k: v.clone() for k, v in module.state_dict().items()}
         continued = _steps(module, optimizer, 2, model)
     finally:
         ps.destroy_model_parallel()
+    whole = {}  # load_param_state takes whole tensors; this rank's pieces at their place suffice
+    for name, piece in pieces.items():
+        start, numel = piece.pop("start"), piece["exp_avg"].numel()
+        whole[name] = {k: torch.zeros(model_state[name].numel()).index_copy_(0, torch.arange(start, start + numel), t)
+                       for k, t in piece.items()}
     try:
         model2, module2, optimizer2 = proof.build(proof.make_recipe(layout))
         module2.load_state_dict(model_state)
-        optimizer2.load_state_dict(plain_state)
-        optimizer2.load_sharded_state_dict(blob[0])
+        optimizer2.load_state_dict({**plain_state, "param_state": whole})
         resumed = _steps(module2, optimizer2, 2, model2)
     finally:
         ps.destroy_model_parallel()
-    return {"continued": continued, "resumed": resumed, "saved_is_whole": blob[0] is not None and all(
-        entry["exp_avg"].numel() == p.numel() for (name, p) in module.named_parameters()
-        for entry in [blob[0]["param_state"][name]])}
+    return {"continued": continued, "resumed": resumed,
+            "owned": {name: piece["exp_avg"].numel() for name, piece in pieces.items()},
+            "numel": {name: t.numel() for name, t in model_state.items()}}
 
 
 def _steps(module, optimizer, count: int, model) -> list[torch.Tensor]:
@@ -156,4 +157,7 @@ def test_distributed_optimizer_sharded_state_resumes_exactly(ranks):
         result = rank[2]
         for continued, resumed in zip(result["continued"], result["resumed"]):
             assert torch.equal(continued, resumed)
-    assert ranks[0][2]["saved_is_whole"]  # DP rank 0 holds whole parameters (DP-size independent)
+    # Each rank holds only its own pieces: together they cover every parameter exactly once.
+    numel = ranks[0][2]["numel"]
+    owned = [sum(rank[2]["owned"].get(name, 0) for rank in ranks) for name in numel]
+    assert owned == list(numel.values())

@@ -78,6 +78,30 @@ def test_convert_refuses_an_occupied_target_and_import_hf_round_trips(smoke_pipe
     assert sorted(p.name for p in (tmp_path / "ckpt" / "release").iterdir()) == ["mp_rank_00", "mp_rank_01"]
 
 
+def test_a_checkpoint_directory_converts_and_evaluates_on_its_own(smoke_pipeline, tmp_path):
+    """The checkpoint directory carries the tokenizer and the recipe: a copy of it, moved elsewhere,
+    converts and evaluates from another working directory with only --load / --model."""
+    import shutil
+
+    workdir, run, _ = smoke_pipeline
+    moved = Path(shutil.copytree(run / "checkpoints", tmp_path / "moved"))
+    assert {"vocab.json", "merges.txt", "recipe.yaml"} <= {p.name for p in moved.iterdir()}
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+
+    def invoke_from_elsewhere(*args):
+        return subprocess.run([sys.executable, "-m", "invoke", "-r", str(ROOT), *args], cwd=elsewhere,
+                              capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    converted = invoke_from_elsewhere("convert", "--load", str(moved), "--save", str(tmp_path / "hf"))
+    assert converted.returncode == 0, converted.stdout[-1500:] + converted.stderr[-1500:]
+    assert f"tokenizer from the checkpoint directory: {moved / 'vocab.json'}" in converted.stdout
+    assert (tmp_path / "hf" / "vocab.json").read_bytes() == (moved / "vocab.json").read_bytes()
+    evaluated = invoke_from_elsewhere("evaluate", "--model", str(moved), "--workdir", str(workdir))
+    assert evaluated.returncode == 0, evaluated.stdout[-1500:] + evaluated.stderr[-1500:]
+    assert evaluated.stdout.startswith("recipe: smoke ") and "valid_ppl" in evaluated.stdout
+
+
 def test_training_continues_from_an_imported_hf_model(smoke_pipeline, tmp_path):
     """import-hf writes a weights-only (`release`) checkpoint; `invoke train --load` starts from those
     weights with a fresh optimizer, the way Megatron-LM starts from a release checkpoint."""
@@ -105,8 +129,7 @@ def test_launch_splits_the_recipe_world_over_nodes_and_names_the_run_it_starts(m
     monkeypatch.setattr(workflow, "data_prefixes", lambda r, w: ["data/prefix"])
 
     def launched(nproc, nnodes, set_=()):
-        r, overrides, per_node = tasks._launch_recipe(config.load_recipe("codeparrot-small-8gpu", list(set_)),
-                                                      "codeparrot-small-8gpu", list(set_), nproc, nnodes)
+        r, overrides, per_node = tasks._launch_recipe("codeparrot-small-8gpu", list(set_), nproc, nnodes)
         cmd = tasks._train_command(r, overrides, per_node, nnodes, 0, "node0", 29500, None, None, False, tmp_path)
         return r, cmd
 
@@ -118,6 +141,12 @@ def test_launch_splits_the_recipe_world_over_nodes_and_names_the_run_it_starts(m
     assert "parallel.world_size=16" in cmd
     same, same_cmd = launched(0, 2, ["world_size=16"])  # --set world_size=16 says the same
     assert "--nproc-per-node=8" in same_cmd and same.stage_hash("train") == r.stage_hash("train")
+    # --nproc sets the world before the layout is validated, so layout flags beside it work ...
+    r, cmd = launched(2, 1, ["tensor_model_parallel_size=2"])
+    assert (r.parallel.world_size, r.parallel.tensor_model_parallel_size) == (2, 2) and "--nproc-per-node=2" in cmd
+    # ... and a layout the model cannot take names the numbers
+    with pytest.raises(config.UserError, match="num_attention_heads 12 is not divisible by TP 5"):
+        launched(5, 1, ["tensor_model_parallel_size=5"])
 
 
 def test_docker_tasks_dry_run(tmp_path):
@@ -146,3 +175,30 @@ def test_kernel_bench_task_says_it_needs_a_gpu():
     kernels = invoke("bench.kernels")
     assert kernels.returncode == 0
     assert json.loads(kernels.stdout.strip().splitlines()[-1]) == {"skipped": "needs a CUDA GPU"}
+
+
+def test_readme_nproc_form_trains_and_resumes_under_another_layout(smoke_pipeline):
+    """The README's `invoke train --nproc 2 --set tensor_model_parallel_size=2` (on the smoke recipe, whose
+    data the pipeline built), then its resume as PP 2 with --load, the README's next form."""
+    import shutil
+
+    workdir, _, _ = smoke_pipeline
+    readme = (ROOT / "README.md").read_text()
+    assert "invoke train --recipe codeparrot-tiny --nproc 2 --set tensor_model_parallel_size=2\n" in readme
+    assert "--nproc 2 --set pipeline_model_parallel_size=2 --load " in readme
+    tp2 = invoke("train", "--recipe", "smoke", "--workdir", str(workdir), "--nproc", "2",
+                 "--set", "tensor_model_parallel_size=2")
+    assert tp2.returncode == 0, tp2.stdout[-1500:] + tp2.stderr[-1500:]
+    tp2_run = Path(tp2.stdout.strip().splitlines()[-1].removeprefix("run directory: "))
+    pp2 = invoke("train", "--recipe", "smoke", "--workdir", str(workdir), "--nproc", "2",
+                 "--set", "pipeline_model_parallel_size=2", "--set", "train_iters=24",
+                 "--load", str(tp2_run / "checkpoints"))
+    assert pp2.returncode == 0, pp2.stdout[-1500:] + pp2.stderr[-1500:]
+    pp2_run = Path(pp2.stdout.strip().splitlines()[-1].removeprefix("run directory: "))
+    try:
+        assert f"resumed from {tp2_run / 'checkpoints' / 'iter_0000020'} at iteration 20" in pp2.stdout + pp2.stderr
+        trained = [json.loads(line) for line in (pp2_run / "metrics.jsonl").read_text().splitlines()]
+        assert [m["iteration"] for m in trained if m["type"] == "train"] == [22, 24]
+    finally:  # other tests look for the pipeline's run among the recipe's runs
+        shutil.rmtree(tp2_run)
+        shutil.rmtree(pp2_run)

@@ -107,8 +107,8 @@ def test_bf16_trains_close_to_fp32_with_bf16_weights_and_fp32_master(first_run, 
     weights = ckpt.flatten_model_state(state["model"])
     assert {t.dtype for t in weights.values()} == {torch.bfloat16}
     assert state["args"].params_dtype == "bfloat16"
-    masters = state["optimizer"]["fp32_from_fp16_params"]
-    assert len(masters) == len(weights) and {m.dtype for m in masters} == {torch.float32}
+    masters = {name: entry["fp32_param"] for name, entry in state["optimizer"]["param_state"].items()}
+    assert masters.keys() == weights.keys() and {m.dtype for m in masters.values()} == {torch.float32}
 
 
 @pytest.mark.parametrize("override, message", [

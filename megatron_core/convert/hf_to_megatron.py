@@ -18,7 +18,13 @@ from typing import Optional, Union
 
 import torch
 
-from megatron_core.checkpoint_format import TRACKER_FILENAME, write_checkpoint
+from megatron_core.checkpoint_format import (
+    TOKENIZER_FILES,
+    TRACKER_FILENAME,
+    tokenizer_copies,
+    write_checkpoint,
+    write_tokenizer_files,
+)
 from megatron_core.convert.gpt2_mapping import gpt2_to_megatron_state
 from megatron_core.convert.megatron_to_hf import PROVENANCE_FILE, publish_dir
 from megatron_core.convert.shards import (
@@ -88,10 +94,12 @@ def import_hf_model(model: Union[str, Path], save: Union[str, Path], tp: int = 1
     if (model / PROVENANCE_FILE).exists():
         provenance = json.loads((model / PROVENANCE_FILE).read_text())
     extra_args = {}
-    if (model / "vocab.json").exists() and (model / "merges.txt").exists():
-        # the tokenizer is copied beside the checkpoint; the args name it at its final place
-        final = save.resolve()
-        extra_args = {"vocab_file": str(final / "vocab.json"), "merge_file": str(final / "merges.txt")}
+    tokenizer = [model / name for name in TOKENIZER_FILES]
+    if all(p.exists() for p in tokenizer):
+        # the tokenizer is copied into the checkpoint directory; the args name it at its final place
+        extra_args = dict(zip(("vocab_file", "merge_file"), map(str, tokenizer_copies(save.resolve()))))
+    else:
+        tokenizer = None
     if vls is not None:
         extra_args.update(num_layers_per_virtual_pipeline_stage=vls,
                           virtual_pipeline_model_parallel_size=shape.num_layers // (pp * vls))
@@ -101,9 +109,8 @@ def import_hf_model(model: Union[str, Path], save: Union[str, Path], tp: int = 1
     tmp = Path(tempfile.mkdtemp(prefix=f".{save.name}.tmp-", dir=save.parent))
     try:
         write_checkpoint(tmp, models, args, iteration, extra)
-        for name in ("vocab.json", "merges.txt"):  # keep the tokenizer beside the checkpoint
-            if (model / name).exists():
-                shutil.copyfile(model / name, tmp / name)
+        if tokenizer:
+            write_tokenizer_files(tmp, *tokenizer)
         if save.exists() and not overwrite and any(save.iterdir()):
             raise UserError(f"{save} is not empty; pass --overwrite to replace it")
         publish_dir(tmp, save, overwrite=True)

@@ -17,6 +17,7 @@ from typing import Optional, Union
 
 import torch
 
+from megatron_core.checkpoint_format import tokenizer_copies
 from megatron_core.convert.gpt2_mapping import megatron_to_gpt2_state
 from megatron_core.convert.shards import MergedCheckpoint, ModelShape, read_checkpoint
 from megatron_core.errors import UserError
@@ -74,12 +75,14 @@ def gpt2_config(shape: ModelShape, eod_id: Optional[int], dtype: torch.dtype, ar
 
 
 def find_tokenizer_files(ckpt: MergedCheckpoint, vocab_file=None, merge_file=None) -> tuple[Path, Path]:
-    """Explicit files first, then the checkpoint's args, then its recipe's tokenizer section."""
+    """Explicit files first, then the copy inside the checkpoint directory (training and import-hf
+    write one), then the files the checkpoint's args name (Megatron-LM's way), then its recipe's."""
     candidates = []
     if vocab_file or merge_file:
         if not (vocab_file and merge_file):
             raise UserError("pass both --vocab-file and --merge-file (a GPT2 BPE tokenizer needs both)")
         candidates.append(("--vocab-file/--merge-file", vocab_file, merge_file))
+    candidates.append(("the checkpoint directory", *tokenizer_copies(Path(ckpt.source).parent)))
     args = ckpt.args
     if args is not None and getattr(args, "vocab_file", None) and getattr(args, "merge_file", None):
         candidates.append(("checkpoint args", args.vocab_file, args.merge_file))

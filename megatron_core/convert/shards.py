@@ -26,23 +26,20 @@ from typing import Any, Optional, Union
 import torch
 
 from megatron_core.checkpoint_format import (
-    MODEL_FILENAME,
+    LAYER_KEY,
     RELEASE,
     TRACKER_FILENAME,
+    check_rank_files,
+    find_rank_files,
     iteration_dir,
     load_checkpoint_file,
+    merge_chunked_states,
     model_chunks,
     nest_model_state,
-    parse_rank_dirname,
+    split_chunked_state,
+    tp_partition_dim,
 )
 from megatron_core.errors import UserError
-from megatron_core.parallel_state import stage_layers
-
-# Partition dimension of each tensor-parallel weight (None: replicated on every TP rank).
-_VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "word_embeddings_for_head.weight", "output_layer.weight")
-_COLUMN_PARALLEL = ("self_attention.query_key_value.weight", "self_attention.query_key_value.bias",
-                    "mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias")
-_ROW_PARALLEL = ("self_attention.dense.weight", "mlp.dense_4h_to_h.weight")
 
 # Older and newer Megatron spellings -> ours (applied to the flattened key, in order).
 _RENAMES = (
@@ -52,7 +49,6 @@ _RENAMES = (
     (re.compile(r"\.post_attention_norm\."), ".post_attention_layernorm."),
     (re.compile(r"^encoder\.final_norm\."), "encoder.final_layernorm."),
 )
-_LAYER_KEY = re.compile(r"^encoder\.layers\.(\d+)\.(.+)$")
 
 
 @dataclass
@@ -140,19 +136,7 @@ def _parse_int(text: str, where) -> int:
         raise UserError(f"{where}: expected an iteration number or 'release', got {text!r}") from None
 
 
-def find_shard_files(iter_dir: Path) -> dict[tuple[int, int], Path]:
-    shards = {}
-    for child in sorted(iter_dir.iterdir()):
-        ranks = parse_rank_dirname(child.name)
-        if ranks is None:
-            continue
-        file = child / MODEL_FILENAME
-        if not file.exists():
-            raise UserError(f"shard {child} has no {MODEL_FILENAME}; the checkpoint is incomplete (re-save or copy it again)")
-        shards[ranks] = file
-    if not shards:
-        raise UserError(f"{iter_dir} holds no mp_rank_* shard folders; it is not a Megatron checkpoint")
-    return shards
+find_shard_files = find_rank_files  # the name evaluate and older callers use
 
 
 # ----------------------------------------------------------------------------------------------
@@ -208,7 +192,7 @@ def canonical_names(model: dict) -> dict:
         for pattern, replacement in _RENAMES:
             key = pattern.sub(replacement, key)
         out[key] = tensor
-    unknown = [k for k in out if not (k.startswith(("embedding.", "encoder.")) or k in _VOCAB_PARALLEL)]
+    unknown = [k for k in out if not (k.startswith(("embedding.", "encoder.")) or tp_partition_dim(k) == 0)]
     if unknown:
         raise UserError(f"checkpoint has weights this converter does not know: {unknown[:5]}; only GPT models convert")
     return out
@@ -225,16 +209,6 @@ def to_canonical_qkv(tensor: torch.Tensor, version: float, heads_local: int) -> 
     else:  # 1.0: [np, hn, 3]
         t = tensor.view(heads_local, hn, 3, *rest).transpose(1, 2)
     return t.contiguous().view(tensor.shape)
-
-
-def tp_partition_dim(name: str) -> Optional[int]:
-    if name in _VOCAB_PARALLEL:
-        return 0
-    if name.endswith(_COLUMN_PARALLEL):
-        return 0
-    if name.endswith(_ROW_PARALLEL):
-        return 1
-    return None
 
 
 def _check_same(shards: dict, key: str, where: str) -> Any:
@@ -257,14 +231,7 @@ def read_checkpoint(load_dir, iteration=None) -> MergedCheckpoint:
     args = first.get("args")
     tp = _arg(args, "tensor_model_parallel_size", 1 + max(t for t, _ in shards))
     pp = _arg(args, "pipeline_model_parallel_size", 1 + max(p for _, p in shards))
-    expected = {(t, p) for t in range(tp) for p in range(pp)}
-    missing, extra = sorted(expected - set(shards)), sorted(set(shards) - expected)
-    if missing:
-        raise UserError(f"{iter_dir}: missing shard(s) {missing} (tp, pp) for TP {tp} x PP {pp}; copy the whole "
-                        "iteration folder")
-    if extra:
-        raise UserError(f"{iter_dir}: extra shard(s) {extra} (tp, pp) beyond TP {tp} x PP {pp} of the args; "
-                        "shards of another layout are mixed in: remove them")
+    check_rank_files(iter_dir, shards, tp, pp)
     for key in ("iteration", "recipe_hash", "checkpoint_version"):
         _check_same(shards, key, iter_dir)
     args_seen = {pos: (_arg(c.get("args"), "tensor_model_parallel_size"), _arg(c.get("args"), "pipeline_model_parallel_size"),
@@ -286,9 +253,7 @@ def read_checkpoint(load_dir, iteration=None) -> MergedCheckpoint:
     if (recorded or 1) != chunks:
         raise UserError(f"{iter_dir}: the shards hold {chunks} model chunk(s) each but args.virtual_pipeline_model_"
                         f"parallel_size is {recorded}; the args do not match the shards")
-    # Pipeline positions in model order: chunk c of every PP rank, then chunk c + 1 (c x PP + r).
-    stage_states = {(t, c * pp + r): chunk_states[(t, r)][c] for t, r in shards for c in range(chunks)}
-    state = _merge(stage_states, version, shape, tp, pp * chunks)
+    state = _merge(chunk_states, version, shape, tp, pp)  # positions in model order: chunk c of PP rank r is c x PP + r
     if not shape.padded_vocab_size:
         shape.padded_vocab_size = state["embedding.word_embeddings.weight"].shape[0]
     shape.tied_embeddings = "output_layer.weight" not in state
@@ -300,40 +265,16 @@ def read_checkpoint(load_dir, iteration=None) -> MergedCheckpoint:
     )
 
 
-def _merge(stage_states: dict, version: float, shape: ModelShape, tp: int, pp: int) -> dict:
-    merged: dict[str, torch.Tensor] = {}
-    layer_offset = 0
+def _merge(chunk_states: dict, version: float, shape: ModelShape, tp: int, pp: int) -> dict:
+    """{(tp, pp): [flat state per model chunk]} -> the full canonical state."""
     heads_local = shape.num_attention_heads // tp
-    for stage in range(pp):  # pipeline positions in model order (PP x chunks of them when interleaved)
-        per_rank = [stage_states[(t, stage)] for t in range(tp)]
-        names = list(per_rank[0])
-        for t, names_t in enumerate(per_rank):
-            if set(names_t) != set(names):
-                diff = sorted(set(names) ^ set(names_t))[:4]
-                raise UserError(f"TP rank {t} of stage {stage} holds different weights than rank 0 ({diff}); "
-                                "shards from different models are mixed")
-        local_layers = {int(m.group(1)) for m in map(_LAYER_KEY.match, names) if m}
-        for name in names:
-            parts = [r[name] for r in per_rank]
-            if name.endswith("query_key_value.weight") or name.endswith("query_key_value.bias"):
-                parts = [to_canonical_qkv(p, version, heads_local) for p in parts]
-            dim = tp_partition_dim(name)
-            if dim is None:
-                full = parts[0]
-                if any(not torch.equal(full, p) for p in parts[1:]):  # replicated weights are bitwise equal
-                    raise UserError(f"stage {stage}: the TP ranks hold different copies of the replicated {name}; "
-                                    "shards from different runs or iterations are mixed: copy one checkpoint's shards")
-            else:
-                full = torch.cat(parts, dim=dim) if tp > 1 else parts[0]
-            match = _LAYER_KEY.match(name)
-            if match:
-                name = f"encoder.layers.{int(match.group(1)) + layer_offset}.{match.group(2)}"
-            if name == "word_embeddings_for_head.weight":
-                continue  # a copy of the tied input embedding kept on the last stage
-            merged[name] = full
-        layer_offset += len(local_layers)
-    if layer_offset != shape.num_layers:
-        raise UserError(f"the shards hold {layer_offset} layers but args.num_layers is {shape.num_layers}; "
+    for flat in (f for states in chunk_states.values() for f in states):  # older QKV row orders -> 2.0/3.0
+        for name in [n for n in flat if n.endswith(("query_key_value.weight", "query_key_value.bias"))]:
+            flat[name] = to_canonical_qkv(flat[name], version, heads_local)
+    merged = merge_chunked_states(chunk_states, tp, pp)
+    layers = len({m.group(1) for m in map(LAYER_KEY.match, merged) if m})
+    if layers != shape.num_layers:
+        raise UserError(f"the shards hold {layers} layers but args.num_layers is {shape.num_layers}; "
                         "a pipeline stage is missing or the args are wrong")
     return merged
 
@@ -373,38 +314,11 @@ def split_state(state: dict, shape: ModelShape, tp: int, pp: int,
     out: dict[tuple[int, int], Any] = {}
     for stage in range(pp):
         for rank in range(tp):
-            nested = []
-            for chunk in range(chunks):
-                layers = stage_layers(shape.num_layers, pp, stage, num_layers_per_virtual_pipeline_stage=vls,
-                                      virtual_rank=chunk)
-                first = stage == 0 and chunk == 0
-                last = stage == pp - 1 and chunk == chunks - 1
-                nested.append(nest_model_state(_stage_part(state, shape, tp, rank, layers, first, last)))
+            nested = [nest_model_state(flat) for flat in split_chunked_state(
+                state, tp, pp, rank, stage, chunks, num_layers=shape.num_layers, tied=shape.tied_embeddings)]
             out[(rank, stage)] = nested[0] if vls is None else nested
     return out
 
-
-def _stage_part(state: dict, shape: ModelShape, tp: int, rank: int, layers: range, first: bool, last: bool) -> dict:
-    """The flat weights of TP rank `rank` at one pipeline position holding the global `layers`."""
-    flat = {}
-    for name, tensor in state.items():
-        dim = tp_partition_dim(name)
-        part = tensor.chunk(tp, dim=dim)[rank].clone() if dim is not None else tensor.clone()
-        match = _LAYER_KEY.match(name)
-        if match:
-            if int(match.group(1)) in layers:
-                flat[f"encoder.layers.{int(match.group(1)) - layers.start}.{match.group(2)}"] = part
-        elif name.startswith("encoder."):  # final layernorm
-            if last:
-                flat[name] = part
-        elif name.startswith("embedding."):
-            if first:
-                flat[name] = part
-            if last and not first and shape.tied_embeddings and name == "embedding.word_embeddings.weight":
-                flat["word_embeddings_for_head.weight"] = part
-        elif name == "output_layer.weight" and last:
-            flat[name] = part
-    return flat
 
 
 def args_for_shape(shape: ModelShape, tp: int, pp: int, **extra) -> argparse.Namespace:

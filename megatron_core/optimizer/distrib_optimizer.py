@@ -10,15 +10,14 @@ the model-parallel group) -> Adam on the pieces -> each bucket's updated slice i
 over DP into the model parameters.
 
 Interface: the MegatronOptimizer one (scale_loss, loss_scale, zero_grad, step() -> (ok,
-grad_norm, num_zeros), param_groups, state_dict/load_state_dict), plus for checkpoints:
+grad_norm, num_zeros), param_groups, state_dict/load_state_dict, load_param_state), plus for
+checkpoints:
 
-    sharded_state_dict() -> dict on DP rank 0, None elsewhere   (COLLECTIVE over DP: every rank calls)
-        {"param_state": {name: {"fp32_param", "exp_avg", "exp_avg_sq"}}, "step": int}; tensors
-        are whole parameters (gathered from every DP rank), so the file does not depend on the
-        DP size. checkpointing writes it as distrib_optim.pt beside model_optim_rng.pt.
-    load_sharded_state_dict(state)   every rank passes the whole loaded dict and keeps its slice.
-    state_dict() / load_state_dict(): not collective; param-group hyperparameters, step and the
-        loss scaler (what goes under "optimizer" in model_optim_rng.pt).
+    param_state() -> {name: {"start", "fp32_param", "exp_avg", "exp_avg_sq"}}: this DP rank's
+        pieces (flat, `start` = first element in the flattened parameter); not collective: each
+        DP rank writes its own file (distrib_optim_dp_XXX.pt), nothing is gathered.
+    state_dict() / load_state_dict(): param-group hyperparameters, step and the loss scaler (what
+        goes under "optimizer" in model_optim_rng.pt).
 """
 
 from __future__ import annotations
@@ -38,15 +37,7 @@ from megatron_core.optimizer.clip_grads import (
     unscale_and_check_overflow,
 )
 from megatron_core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
-from megatron_core.optimizer.optimizer import (
-    AdamSettings,
-    FP32MasterOptimizer,
-    build_adam,
-    no_weight_decay,
-    step_tensor,
-)
-
-ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
+from megatron_core.optimizer.optimizer import AdamSettings, FP32MasterOptimizer, build_adam, no_weight_decay
 
 
 @dataclass
@@ -81,7 +72,6 @@ class DistributedOptimizer(FP32MasterOptimizer):
         self.dp_group, self.dp_rank, self.dp_size = grad_sync.group, grad_sync.dp_rank, grad_sync.dp_size
         names = {id(p): n for n, p in model.module.named_parameters()}
         self.model_params = grad_sync.params
-        self._numel_by_name = {names[id(p)]: p.numel() for p in self.model_params}
         self.pieces: list[_Piece] = []
         for bucket in grad_sync.buckets:
             lo, hi = bucket.shard_range(self.dp_rank, self.dp_size)
@@ -167,64 +157,17 @@ class DistributedOptimizer(FP32MasterOptimizer):
 
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Not collective: what lives in model_optim_rng.pt (the shards go to distrib_optim.pt)."""
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        return {"distributed_optimizer": True, "param_groups": groups, "step": self._step_count(),
-                "grad_scaler": self.grad_scaler.state_dict()}
+        """Not the pieces (param_state() goes into this DP rank's own file)."""
+        return {**super().state_dict(), "distributed_optimizer": True}
 
-    def load_state_dict(self, state: dict) -> None:
-        if not state.get("distributed_optimizer"):
-            raise ValueError("this optimizer state was not written by the distributed optimizer")
-        for group, saved in zip(self.optimizer.param_groups, state["param_groups"]):
-            group.update(saved)
-        self.grad_scaler.load_state_dict(state["grad_scaler"])
-
-    def _step_count(self) -> int:
-        for value in self.optimizer.state.values():
-            if "step" in value:
-                return int(value["step"])
-        return 0
-
-    def _local_piece_state(self, piece: _Piece) -> dict[str, torch.Tensor]:
-        state = self.optimizer.state.get(piece.master, {})
-        out = {"fp32_param": piece.master.detach()}
-        for key in ADAM_STATE_KEYS:
-            out[key] = state[key].detach() if key in state else torch.zeros_like(piece.master)
-        return out
-
-    def sharded_state_dict(self) -> Optional[dict]:
-        """COLLECTIVE over DP. Whole-parameter fp32 weights and Adam moments on DP rank 0, None elsewhere."""
-        local = [(p.name, p.param_start, self._local_piece_state(p)) for p in self.pieces]
-        if self.dp_size > 1:
-            gathered = [None] * self.dp_size
-            dist.all_gather_object(gathered, [(n, s, {k: t.cpu() for k, t in d.items()}) for n, s, d in local],
-                                   group=self.dp_group)
-        else:
-            gathered = [local]
-        if self.dp_rank != 0:
-            return None
-        full: dict[str, dict[str, torch.Tensor]] = {}
-        for rank_pieces in gathered:
-            for name, start, tensors in rank_pieces:
-                entry = full.setdefault(name, {})
-                for key, tensor in tensors.items():
-                    if key not in entry:
-                        entry[key] = torch.zeros(self._numel_by_name[name], dtype=torch.float32)
-                    entry[key][start:start + tensor.numel()] = tensor.cpu()
-        return {"param_state": full, "step": self._step_count()}
+    def param_state(self) -> dict[str, dict]:
+        """This DP rank's pieces: fp32 master and Adam moments, flat, with their start in the parameter."""
+        return {p.name: {"start": p.param_start, **self._adam_state(p.master)} for p in self.pieces}
 
     @torch.no_grad()
-    def load_sharded_state_dict(self, state: dict) -> None:
+    def load_param_state(self, state: dict, step: int) -> None:
         """Take this rank's slice of every parameter's saved master weight and Adam moments."""
-        saved, step = state["param_state"], int(state["step"])
         for piece in self.pieces:
-            if piece.name not in saved:
-                raise KeyError(f"distrib_optim state has no entry for parameter {piece.name}")
-            entry = saved[piece.name]
             sl = slice(piece.param_start, piece.param_start + piece.numel)
-            piece.master.copy_(entry["fp32_param"][sl])
-            inner = self.optimizer.state[piece.master]
-            for key in ADAM_STATE_KEYS:
-                inner[key] = entry[key][sl].to(piece.master.device, torch.float32).clone()
-            inner["step"] = step_tensor(self.optimizer, piece.master, step)
+            self._load_adam_state(piece.master, {k: t.reshape(-1)[sl] for k, t in state[piece.name].items()}, step)
         self._all_gather_params()

@@ -5,6 +5,8 @@ The interface the training loop talks to (the distributed optimizer implements t
     scale_loss(loss) -> loss * loss_scale      loss_scale -> float (1.0 unless fp16)
     zero_grad()                                step() -> (ok, grad_norm, num_zeros)
     param_groups (the lr scheduler writes 'lr') state_dict() / load_state_dict(state)
+    load_param_state({name: {fp32_param, exp_avg, exp_avg_sq}}, step): whole tensors of this rank's
+        parameters by model state-dict name (what a resume under any layout hands back)
 
 `step()` copies model grads into fp32 master grads, unscales them, skips the update when fp16
 grads overflowed (ok=False; the loss scaler backs off), clips by the global L2 norm, runs the
@@ -28,6 +30,8 @@ from megatron_core.optimizer.clip_grads import (
     unscale_and_check_overflow,
 )
 from megatron_core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+
+ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 def no_weight_decay(name: str, param: torch.Tensor) -> bool:
@@ -96,6 +100,54 @@ class FP32MasterOptimizer:
         model was loaded from a checkpoint, before or without that checkpoint's optimizer state."""
         raise NotImplementedError
 
+    # -- checkpoints ---------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """What does not depend on the layout: hyperparameters, Adam's step count, the loss scaler.
+        The per-parameter state is `param_state()` (its form is the subclass's)."""
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        return {"param_groups": groups, "step": self._step_count(), "grad_scaler": self.grad_scaler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """The lr, the loss scaler and, when present, `param_state` in whole tensors of this rank's
+        parameters (what a resume under any layout hands in). Of the saved param_groups only the lr
+        (one for all groups) is taken: the rest comes from the recipe, so a rank whose groups differ
+        from the writer's (the distributed optimizer's slices, another device) cannot take a wrong one."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = state["param_groups"][0]["lr"]
+        self.grad_scaler.load_state_dict(state["grad_scaler"])
+        if "param_state" in state:
+            self.load_param_state(state["param_state"], int(state["step"]))
+
+    def load_param_state(self, state: dict, step: int) -> None:
+        raise NotImplementedError
+
+    def _step_count(self) -> int:
+        for value in [*self.optimizer.param_groups, *self.optimizer.state.values()]:  # Apex counts per group
+            if "step" in value:
+                return int(value["step"])
+        return 0
+
+    @torch.no_grad()
+    def _load_adam_state(self, master: torch.Tensor, entry: dict, step: int) -> None:
+        """One master tensor's saved fp32 value and Adam moments (already cut to its shape) and the
+        step count where the inner Adam keeps it: per tensor (torch; `step_tensor` places it) and
+        per group (Apex FusedAdam; torch ignores the key)."""
+        if "fp32_param" in entry:  # absent: an fp32 model param is its own master
+            master.copy_(entry["fp32_param"])
+        inner = self.optimizer.state[master]
+        for key in ADAM_STATE_KEYS:
+            inner[key] = entry[key].to(master.device, torch.float32).clone()
+        inner["step"] = step_tensor(self.optimizer, master, step)
+        for group in self.optimizer.param_groups:
+            group["step"] = step
+
+    def _adam_state(self, master: torch.Tensor) -> dict[str, torch.Tensor]:
+        state = self.optimizer.state.get(master, {})
+        out = {"fp32_param": master.detach().clone()}
+        for key in ADAM_STATE_KEYS:
+            out[key] = state[key].detach().clone() if key in state else torch.zeros_like(master)
+        return out
+
 
 class MegatronOptimizer(FP32MasterOptimizer):
     def __init__(self, model: torch.nn.Module, settings: AdamSettings, *, precision: str = "fp32",
@@ -107,6 +159,7 @@ class MegatronOptimizer(FP32MasterOptimizer):
         self.clip_grad = float(clip_grad)
         self.grad_scaler = grad_scaler or (DynamicGradScaler() if precision == "fp16" else ConstantGradScaler())
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.names = [n for n, _ in named]
         self.model_params = [p for _, p in named]
         device = device or (self.model_params[0].device if self.model_params else torch.device("cpu"))
         # fp32 master copies of half-precision params; fp32 params are their own master.
@@ -177,16 +230,16 @@ class MegatronOptimizer(FP32MasterOptimizer):
 
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        state = {"optimizer": self.optimizer.state_dict(), "grad_scaler": self.grad_scaler.state_dict()}
-        if self.master_params is not self.model_params:
-            # Megatron's name for the fp32 master copies of half-precision params.
-            state["fp32_from_fp16_params"] = [m.detach().clone() for m in self.master_params]
-        return state
+        """Everything, in model_optim_rng.pt: per parameter (by model state-dict name) its Adam
+        moments and, when the model is fp16/bf16, its fp32 master (an fp32 model is its own master)."""
+        param_state = {}
+        for name, param, master in zip(self.names, self.model_params, self.master_params):
+            entry = self._adam_state(master)
+            if master is param:
+                del entry["fp32_param"]
+            param_state[name] = entry
+        return {**super().state_dict(), "param_state": param_state}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.grad_scaler.load_state_dict(state["grad_scaler"])
-        if "fp32_from_fp16_params" in state and self.master_params is not self.model_params:
-            with torch.no_grad():
-                for m, saved in zip(self.master_params, state["fp32_from_fp16_params"]):
-                    m.copy_(saved)
+    def load_param_state(self, state: dict, step: int) -> None:
+        for name, master in zip(self.names, self.master_params):
+            self._load_adam_state(master, state[name], step)

@@ -1,8 +1,13 @@
 """A whole training state in Megatron's checkpoint format (megatron_core.checkpoint_format):
 what goes into each rank's file, the collective save, resume-time checks, RNG state.
 
-Every (TP, PP) rank with DP rank 0 writes its own file into the staging directory, all ranks meet
-at a barrier, global rank 0 publishes the iteration (directory into place, then the tracker).
+Every (TP, PP) rank with DP rank 0 writes its own file into the staging directory (with the
+distributed optimizer every DP rank also writes its own pieces of the optimizer state), all ranks
+meet at a barrier, global rank 0 publishes the iteration (directory into place, then the tracker).
+
+A resume works under any layout: when the checkpoint's TP x PP differs from this run's, every rank
+reads all rank files of the iteration, merges weights and per-parameter optimizer state into full
+tensors (the merge rules convert uses) and keeps its own slice (`load_latest`).
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Optional
@@ -21,33 +27,38 @@ import torch.distributed as dist
 from megatron_core import parallel_state
 from megatron_core.checkpoint_format import (  # noqa: F401 - re-exported: the names training callers use
     CHECKPOINT_VERSION,
-    DISTRIB_OPTIM_FILENAME,
     MODEL_FILENAME,
+    OPTIM_STATE_KEYS,
+    RECIPE_FILENAME,
     RELEASE,
     TRACKER_FILENAME,
     CheckpointError,
+    atomic_write_text,
+    check_rank_files,
     checkpoint_file,
+    distrib_optim_filename,
+    find_rank_files,
     flatten_model_state,
     iteration_dir,
     load_checkpoint_file,
+    merge_chunked_states,
     model_chunks,
     model_entries,
     nest_model_state,
     publish_iteration,
     rank_dirname,
     read_tracker,
+    split_chunked_state,
     staging_dir,
+    tokenizer_copies,
     write_rank_file,
+    write_tokenizer_files,
 )
 
 def _my_rank() -> tuple[int, int, int]:
     """(tp rank, pp rank, pp size) of this process."""
     return (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank(),
             parallel_state.get_pipeline_model_parallel_world_size())
-
-
-def _my_rank_file(save: Path, iteration: int) -> Path:
-    return checkpoint_file(save, iteration, *_my_rank())
 
 
 def _barrier() -> None:
@@ -131,12 +142,17 @@ def megatron_args(recipe, padded_vocab_size: int, *, iteration: int, consumed_tr
 
 def save_checkpoint(save, iteration: int, *, model_state, args: argparse.Namespace, recipe,
                     optimizer=None, scheduler=None, consumed_train_samples: int, extra: Optional[dict] = None,
-                    save_optim: bool = True) -> Path:
+                    save_optim: bool = True, tokenizer_files=None) -> Path:
     """Write iteration `iteration` atomically; returns the iteration directory. Collective: every
     rank calls it (DP rank 0 of each (TP, PP) writes). `model_state`: the model's state dict, or
-    a list of one per virtual pipeline chunk (saved as `model0`, `model1`, ...)."""
+    a list of one per virtual pipeline chunk (saved as `model0`, `model1`, ...). The directory
+    carries what converting and evaluating need: `tokenizer_files` (vocab, merges) are copied into
+    `save` and named in args.vocab_file / merge_file (Megatron-LM's way), and the resolved recipe
+    goes to recipe.yaml."""
     chunk_states = model_state if isinstance(model_state, list) else [model_state]
     save = Path(save)
+    if tokenizer_files:
+        args.vocab_file, args.merge_file = (str(p) for p in tokenizer_copies(save.resolve()))
     distributed = dist.is_available() and dist.is_initialized()
     is_global_zero = not distributed or dist.get_rank() == 0
     # Nodes need not share a filesystem: local rank 0 of each node looks after its own copy of `save`.
@@ -144,10 +160,10 @@ def save_checkpoint(save, iteration: int, *, model_state, args: argparse.Namespa
     if is_node_zero:
         shutil.rmtree(staging_dir(save, iteration), ignore_errors=True)  # leftovers of a save killed midway
     _barrier()
-    # The distributed optimizer gathers its shards to DP rank 0 (collective: every DP rank joins).
-    sharded = None
-    if save_optim and optimizer is not None and hasattr(optimizer, "sharded_state_dict"):
-        sharded = optimizer.sharded_state_dict()
+    optim = optimizer.state_dict() if save_optim and optimizer is not None else None
+    if optim is not None and optim.get("distributed_optimizer"):  # every DP rank writes its own pieces
+        write_rank_file(save, iteration, *_my_rank(), {"param_state": optimizer.param_state()},
+                        filename=distrib_optim_filename(parallel_state.get_data_parallel_rank()))
     if parallel_state.get_data_parallel_rank() == 0:
         state = {
             "args": args,
@@ -159,26 +175,32 @@ def save_checkpoint(save, iteration: int, *, model_state, args: argparse.Namespa
             "recipe_hash": recipe.hash,
             "consumed_train_samples": consumed_train_samples,
         }
-        if save_optim and optimizer is not None:
-            state["optimizer"] = optimizer.state_dict()
+        if optim is not None:
+            state["optimizer"] = optim
         if save_optim and scheduler is not None:
             state["opt_param_scheduler"] = scheduler.state_dict()
         if extra:
             state.update(extra)
-        if sharded is not None:
-            write_rank_file(save, iteration, *_my_rank(), sharded, filename=DISTRIB_OPTIM_FILENAME)
         write_rank_file(save, iteration, *_my_rank(), state)
     _barrier()
     final_dir = iteration_dir(save, iteration)
     if is_global_zero:
-        publish_iteration(save, iteration)
+        _publish(save, iteration, recipe, tokenizer_files)
     _barrier()
     # On a shared filesystem rank 0 has published every file; a node with its own disk still holds
     # its ranks' files in staging and publishes them there (gathered in one directory, they load).
     if is_node_zero and not is_global_zero and staging_dir(save, iteration).is_dir():
-        publish_iteration(save, iteration)
+        _publish(save, iteration, recipe, tokenizer_files)
     _barrier()
     return final_dir
+
+
+def _publish(save: Path, iteration: int, recipe, tokenizer_files) -> None:
+    """What convert and evaluate need beside the weights (tokenizer, recipe.yaml), then the iteration."""
+    if tokenizer_files:
+        write_tokenizer_files(save, *tokenizer_files)
+    atomic_write_text(save / RECIPE_FILENAME, recipe.to_yaml())
+    publish_iteration(save, iteration)
 
 
 def check_recipe_compatible(recipe, saved_recipe: dict, saved_hash: str, where: Path) -> list[str]:
@@ -203,25 +225,140 @@ def check_recipe_compatible(recipe, saved_recipe: dict, saved_hash: str, where: 
 
 
 def load_latest(load, *, required: bool = False) -> Optional[tuple[int, dict]]:
-    """(iteration, this rank's checkpoint dict) of the latest checkpoint under `load`, or None."""
+    """(iteration, this rank's checkpoint dict) of the latest checkpoint under `load`, or None; see
+    `load_for_this_rank` for what the dict holds when the checkpoint was written under another layout."""
     load = Path(load)
     iteration = read_tracker(load)
     if iteration is None:
         if required:
             raise CheckpointError(f"no checkpoint under {load} (no {TRACKER_FILENAME}); check --load")
         return None
-    path = _my_rank_file(load, iteration)
-    if not path.exists() and iteration_dir(load, iteration).is_dir():
-        written = sorted(p.name for p in iteration_dir(load, iteration).iterdir() if p.is_dir())
-        raise CheckpointError(
-            f"{iteration_dir(load, iteration)} has no {path.parent.name} (it holds {', '.join(written) or 'nothing'}): "
-            f"it was written with another TP x PP layout than this run's "
-            f"{parallel_state.get_tensor_model_parallel_world_size()} x "
-            f"{parallel_state.get_pipeline_model_parallel_world_size()}; resume with that layout, or re-split it "
-            "(invoke convert, then invoke import-hf --tp N --pp M)")
-    return iteration, load_checkpoint_file(path)
+    return iteration, load_for_this_rank(iteration_dir(load, iteration))
 
 
-def load_distributed_optimizer_file(load, iteration: int) -> dict:
-    """This (TP, PP) rank's distrib_optim.pt (every DP rank reads it and takes its own slice)."""
-    return load_checkpoint_file(_my_rank_file(Path(load), iteration).with_name(DISTRIB_OPTIM_FILENAME))
+def load_for_this_rank(iter_dir: Path) -> dict:
+    """This rank's checkpoint dict for this process's TP x PP layout, from a checkpoint of any
+    TP x PP x DP layout and either optimizer. `model` is this rank's nested weights; `optimizer`
+    (when saved) gains `param_state`: {model name: {fp32_param, exp_avg, exp_avg_sq}} in whole
+    tensors of this rank's parameters, whatever optimizer and DP size wrote it.
+
+    Same TP x PP: only this rank's own files are read. Another TP x PP: every rank reads every rank
+    file of the iteration and merges them (cheap for small models; at scale each rank reads the
+    whole checkpoint once, i.e. world size x checkpoint bytes from the filesystem, and holds one
+    full copy of weights and optimizer state in CPU memory while slicing). The other keys (args,
+    recipe, counters, RNG) come from the saved rank that holds this rank's first layer."""
+    files = find_rank_files(iter_dir)
+    tp, pp, tp_rank, pp_rank = (parallel_state.get_tensor_model_parallel_world_size(),
+                                parallel_state.get_pipeline_model_parallel_world_size(), *_my_rank()[:2])
+    chunks = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
+    first_pos = (tp_rank, pp_rank) if (tp_rank, pp_rank) in files else min(files)
+    first = load_checkpoint_file(files[first_pos])
+    args = first.get("args")
+    saved_tp = getattr(args, "tensor_model_parallel_size", None) or 1 + max(t for t, _ in files)
+    saved_pp = getattr(args, "pipeline_model_parallel_size", None) or 1 + max(p for _, p in files)
+    saved_chunks = len(model_chunks(first, files[first_pos]))
+    check_rank_files(iter_dir, files, saved_tp, saved_pp)
+    if (saved_tp, saved_pp, saved_chunks) == (tp, pp, chunks):
+        state = first
+        model, optim = _rank_states(iter_dir, first_pos, saved_pp, first, files[first_pos])
+    else:
+        num_layers = args.num_layers
+        # The saved rank holding this rank's first layer gives the RNG and the other keys.
+        mine_first = parallel_state.stage_layers(num_layers, pp, pp_rank, virtual_rank=0,
+                                                 num_layers_per_virtual_pipeline_stage=_chunk_layers(
+                                                     num_layers, pp, chunks)).start
+        saved_position = mine_first // (num_layers // (saved_pp * saved_chunks))
+        source = (min(tp_rank, saved_tp - 1), saved_position % saved_pp)
+        loaded = {pos: first if pos == first_pos else load_checkpoint_file(path) for pos, path in files.items()}
+        per_rank = {pos: _rank_states(iter_dir, pos, saved_pp, ck, files[pos]) for pos, ck in loaded.items()}
+        tied = "output_layer.weight" not in per_rank[(0, saved_pp - 1)][0][saved_chunks - 1]
+
+        def mine(parts: dict) -> list[dict]:
+            return split_chunked_state(merge_chunked_states(parts, saved_tp, saved_pp), tp, pp, tp_rank, pp_rank,
+                                       chunks, num_layers=num_layers, tied=tied)
+
+        state = loaded[source]
+        model = mine({pos: model for pos, (model, _) in per_rank.items()})
+        optim = None
+        if all(o is not None for _, o in per_rank.values()):
+            by_key = {key: mine({pos: [{n: e[key] for n, e in c.items()} for c in o] for pos, (_, o) in per_rank.items()})
+                      for key in OPTIM_STATE_KEYS}
+            optim = [{name: {key: by_key[key][c][name] for key in OPTIM_STATE_KEYS} for name in by_key["exp_avg"][c]}
+                     for c in range(chunks)]
+        if tp != saved_tp and state.get("rng_state"):  # the TP tracker's streams are per TP rank
+            state["rng_state"][0]["rng_tracker_states"] = None
+    for key in [k for k in state if k == "model" or re.fullmatch(r"model\d+", k)]:
+        del state[key]
+    state.update(model_entries([nest_model_state(flat) for flat in model]))
+    if optim is not None:
+        state["optimizer"]["param_state"] = _optimizer_names(optim)
+    else:
+        state.pop("optimizer", None)
+    return state
+
+
+def _chunk_layers(num_layers: int, pp: int, chunks: int) -> Optional[int]:
+    """num_layers_per_virtual_pipeline_stage of a layout with `chunks` model chunks per PP rank."""
+    return None if chunks == 1 else num_layers // (pp * chunks)
+
+
+def _optimizer_names(per_chunk: list[dict]) -> dict:
+    """[{name in chunk c: entry}] -> {optimizer name: entry}: the model's own parameter names, which
+    are `chunks.<c>.<name>` under virtual pipeline stages (GPTModelChunks)."""
+    if len(per_chunk) == 1:
+        return per_chunk[0]
+    return {f"chunks.{c}.{name}": entry for c, entries in enumerate(per_chunk) for name, entry in entries.items()}
+
+
+def _chunk_entries(param_state: dict, chunks: int) -> list[dict]:
+    """The inverse of _optimizer_names."""
+    if chunks == 1:
+        return [param_state]
+    out: list[dict] = [{} for _ in range(chunks)]
+    for name, entry in param_state.items():
+        c, local = re.fullmatch(r"chunks\.(\d+)\.(.+)", name).groups()
+        out[int(c)][local] = entry
+    return out
+
+
+def _rank_states(iter_dir: Path, pos: tuple[int, int], pp_size: int, ckpt: dict, where: Path):
+    """([flat weights per model chunk], [{name: {fp32_param, exp_avg, exp_avg_sq}} per chunk] or None)
+    of one saved (TP, PP) rank, the distributed optimizer's pieces from every DP rank's file glued
+    into whole tensors."""
+    model = [flatten_model_state(nested) for nested in model_chunks(ckpt, where)]
+    optim = ckpt.get("optimizer")
+    if optim is None:
+        return model, None
+    named = _optimizer_names(model)  # the weights under the optimizer's names
+    if optim.get("distributed_optimizer"):
+        param_state = _glue_dp_pieces(iter_dir / rank_dirname(*pos, pp_size), ckpt["args"].data_parallel_size, named)
+    elif "param_state" in optim:
+        param_state = optim["param_state"]
+    else:  # Megatron-LM's own, or an older form: weights only (the trainer says the optimizer restarts)
+        return model, None
+    entries = {name: {"fp32_param": entry.get("fp32_param", named[name].float()), "exp_avg": entry["exp_avg"],
+                      "exp_avg_sq": entry["exp_avg_sq"]} for name, entry in param_state.items()}
+    return model, _chunk_entries(entries, len(model))
+
+
+def _glue_dp_pieces(rank_dir: Path, dp_size: int, model: dict) -> dict:
+    """Whole tensors from each DP rank's pieces (distrib_optim_dp_XXX.pt), every element covered once."""
+    names = [distrib_optim_filename(r) for r in range(dp_size)]
+    missing = [n for n in names if not (rank_dir / n).exists()]
+    if missing:
+        raise CheckpointError(f"{rank_dir} lacks {', '.join(missing)} (the distributed optimizer state of "
+                              f"{len(missing)} of {dp_size} DP ranks); copy the whole iteration folder")
+    full: dict[str, dict[str, torch.Tensor]] = {}
+    covered = dict.fromkeys(model, 0)
+    for name_of_file in names:
+        for name, piece in load_checkpoint_file(rank_dir / name_of_file)["param_state"].items():
+            start, numel = piece["start"], piece["fp32_param"].numel()
+            for key in OPTIM_STATE_KEYS:
+                flat = full.setdefault(name, {}).setdefault(key, torch.zeros(model[name].numel()))
+                flat[start:start + numel] = piece[key]
+            covered[name] += numel
+    gaps = [n for n, count in covered.items() if count != model[n].numel()]
+    if gaps:
+        raise CheckpointError(f"{rank_dir}: the distributed optimizer files do not cover {gaps[:3]} exactly once; "
+                              "they come from different saves: copy one checkpoint's folder")
+    return {name: {k: t.view(model[name].shape) for k, t in entry.items()} for name, entry in full.items()}

@@ -63,7 +63,8 @@ class Trainer:
     def __init__(self, recipe, model: torch.nn.Module, datasets, padded_vocab_size: int, run_dir: Path, *,
                  optimizer, device: torch.device, save: Optional[Path], load: Optional[Path],
                  save_optim: bool = True, params_dtype: str = "float32", logger: Optional[RunLogger] = None,
-                 forward_backward_func=None, device_name: str = "cpu", precision: str = "fp32") -> None:
+                 forward_backward_func=None, device_name: str = "cpu", precision: str = "fp32",
+                 tokenizer_files=None) -> None:
         from megatron_core.pipeline_parallel import get_forward_backward_func
 
         self.recipe, self.model, self.device = recipe, model, device
@@ -73,6 +74,7 @@ class Trainer:
         self.optimizer = optimizer
         self.save_dir, self.load_dir = (Path(save) if save else None), (Path(load) if load else None)
         self.save_optim, self.params_dtype, self.precision = save_optim, params_dtype, precision
+        self.tokenizer_files = tokenizer_files  # (vocab, merges) copied into every checkpoint directory
         self.logger = logger or RunLogger(self.run_dir, writer=_is_log_writer())
         self.forward_backward = forward_backward_func or get_forward_backward_func()
         t = recipe.training
@@ -102,11 +104,14 @@ class Trainer:
         changed = ckpt.check_recipe_compatible(self.recipe, state["recipe"], state["recipe_hash"], self.load_dir)
         if changed:
             self.logger.info(f"resuming with changed resume-safe keys: {', '.join(changed)}")
+        saved_tp, tp = getattr(state["args"], "tensor_model_parallel_size", None), ps.get_tensor_model_parallel_world_size()
+        if saved_tp not in (None, tp):
+            self.logger.info(f"the checkpoint was written under TP {saved_tp}: weights and optimizer state are "
+                             f"re-sliced for TP {tp}; the dropout RNG streams restart from the seed (exact only "
+                             "without dropout)")
         self._load_model_weights(state, self.load_dir)
         if "optimizer" in state and "opt_param_scheduler" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
-            if hasattr(self.optimizer, "load_sharded_state_dict"):
-                self.optimizer.load_sharded_state_dict(ckpt.load_distributed_optimizer_file(self.load_dir, iteration))
+            self.optimizer.load_state_dict(state["optimizer"])  # param_state re-sliced for this layout
             self.scheduler.load_state_dict(state["opt_param_scheduler"])
         else:
             self.logger.info("checkpoint has no optimizer state (--no-save-optim): optimizer and LR restart; "
@@ -124,6 +129,15 @@ class Trainer:
                          f"({self.state.consumed_train_samples} samples consumed)")
 
     def _load_model_weights(self, state: dict, where: Path) -> None:
+        args = state.get("args")
+        saved_vocab = getattr(args, "padded_vocab_size", None)
+        if saved_vocab and saved_vocab != self.padded_vocab_size:  # Megatron pads to divisible_by x TP
+            multiple = getattr(args, "make_vocab_size_divisible_by", 1) * getattr(args, "tensor_model_parallel_size", 1)
+            tp = self.recipe.parallel.tensor_model_parallel_size
+            raise ckpt.CheckpointError(
+                f"the checkpoint in {where} pads the vocabulary to {saved_vocab} rows (a multiple of {multiple}), "
+                f"this run to {self.padded_vocab_size}; pad alike: --set make_vocab_size_divisible_by="
+                f"{multiple // tp if multiple % tp == 0 else multiple}")
         stages = _model_chunks(self._unwrapped())
         saved = ckpt.model_chunks(state, where)
         if len(saved) != len(stages):
@@ -168,7 +182,7 @@ class Trainer:
             optimizer=self.optimizer, scheduler=self.scheduler, consumed_train_samples=s.consumed_train_samples,
             extra={"train_counters": {"skipped_iterations": s.skipped_iterations,
                                       "nan_iterations": s.nan_iterations}},
-            save_optim=self.save_optim)
+            save_optim=self.save_optim, tokenizer_files=self.tokenizer_files)
         self.logger.info(f"saved checkpoint at iteration {s.iteration:7d} to {path} "
                          f"({time.time() - start:.2f} s)")
         return path
