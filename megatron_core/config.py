@@ -315,8 +315,19 @@ class Recipe:
         return canonical_hash(parts[stage])
 
     def diff(self, other: dict) -> list[str]:
-        """Dotted keys whose values differ between this recipe and a resolved recipe dict."""
-        return sorted(_diff_dicts(self.to_dict(), other))
+        """Dotted keys whose values differ between this recipe and a resolved recipe dict. A key the
+        other dict lacks (it was written before the schema had it) differs only when this recipe's
+        value is not the key's default, which is what an older run used."""
+        mine = self.to_dict()
+        for name in SECTIONS:
+            section = getattr(self, name)
+            saved = other.get(name)
+            if not isinstance(saved, dict):
+                continue
+            for f in dataclasses.fields(section):
+                if f.name not in saved and f.default is not dataclasses.MISSING and mine[name].get(f.name) == f.default:
+                    mine[name].pop(f.name, None)
+        return sorted(_diff_dicts(mine, other))
 
     def describe(self) -> str:
         m, p, t = self.model, self.parallel, self.training

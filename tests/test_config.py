@@ -198,3 +198,14 @@ def test_virtual_pipeline_stages_count_and_hash():
     assert chunked.hash != recipe_from_dict(minimal(model=VPP["model"], parallel=VPP["parallel"],
                                                     training={"global_batch_size": 4})).hash
     assert plain.diff(chunked.to_dict()) == ["parallel.num_layers_per_virtual_pipeline_stage", "training.global_batch_size"]
+
+
+def test_a_key_added_to_the_schema_later_is_no_change_at_its_default():
+    """A checkpoint written before the schema had a key resumes while the key keeps its default
+    (the run that wrote it used that default); a non-default value is a change."""
+    recipe = load_recipe("smoke")
+    older = recipe.to_dict()
+    del older["training"]["accumulate_allreduce_grads_in_fp32"]
+    assert recipe.diff(older) == []
+    changed = load_recipe("smoke", ["accumulate_allreduce_grads_in_fp32=true"])
+    assert changed.diff(older) == ["training.accumulate_allreduce_grads_in_fp32"]
