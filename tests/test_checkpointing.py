@@ -343,3 +343,31 @@ def test_a_signal_on_one_rank_stops_every_rank_after_the_same_iteration(corpus, 
     ranks = run_distributed(_dp2_signal_one_rank, 2, str(tmp_path), corpus, timeout=120)
     assert ranks == [{"iteration": 3, "stopped_by": "SIGTERM"}] * 2
     assert ckpt.read_tracker(tmp_path / "checkpoints") == 3
+
+
+def _latest_on_each_rank(root: str):
+    import torch.distributed as dist
+
+    from megatron_core import parallel_state as ps
+
+    ps.initialize_model_parallel(1, 1)
+    try:
+        own = Path(root) / f"node{dist.get_rank()}"  # no shared filesystem: each rank its own directory
+        own.mkdir(parents=True, exist_ok=True)
+        if dist.get_rank() == 0:
+            (own / ckpt.TRACKER_FILENAME).write_text("6\n")
+        try:
+            ckpt.load_latest(own)
+        except ckpt.CheckpointError as exc:
+            return str(exc)
+        return None
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_ranks_that_found_different_latest_checkpoints_are_stopped(tmp_path):
+    """A node whose disk lacks the tracker must not start from scratch beside ranks that resume."""
+    from distributed_utils import run_distributed
+
+    errors = run_distributed(_latest_on_each_rank, 2, str(tmp_path), timeout=120)
+    assert all(e is not None and "different latest checkpoints" in e and "from none to 6" in e for e in errors), errors

@@ -85,3 +85,34 @@ def test_tensor_parallel_rank_zero_reads_and_broadcasts():
     assert first == second and len(first) == 6  # 12 samples, micro batch 2, then the end reaches both
     assert reads0 == 12 and reads1 == 0
     assert first[1]["tokens"][0] == [20, 21, 22, 23]
+
+
+def _tp2_reader_error():
+    ps.initialize_model_parallel(2, 1)
+    try:
+        tp_rank = ps.get_tensor_model_parallel_rank()
+
+        class BrokenAtFour(Numbers):
+            def __getitem__(self, i):
+                if i == 4:
+                    raise ValueError("corrupt sample 4")
+                return super().__getitem__(i)
+
+        iterator = batch_iterator(BrokenAtFour(forbidden=tp_rank != 0), consumed_samples=0, micro_batch_size=2,
+                                  dp_rank=0, dp_size=1, device=torch.device("cpu"))
+        got = 0
+        try:
+            for _ in iterator:
+                got += 1
+        except Exception as exc:  # noqa: BLE001 - what each rank saw is the result
+            return tp_rank, got, f"{type(exc).__name__}: {exc}"
+        return tp_rank, got, None
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_a_reader_error_on_tp_rank_zero_stops_every_rank_instead_of_hanging():
+    (_, got0, error0), (_, got1, error1) = sorted(run_distributed(_tp2_reader_error, 2, timeout=120))
+    assert got0 == got1 == 2  # samples 0-3 arrived before the broken one
+    assert error0 == "ValueError: corrupt sample 4"
+    assert error1 is not None and "TP rank 0's batch reader failed" in error1

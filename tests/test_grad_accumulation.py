@@ -132,3 +132,38 @@ def test_loaded_optimizer_state_sits_on_its_parameters_device_and_dtype(monkeypa
     _loss(wrapped2, batch).backward()
     wrapped2.finish_grad_sync()
     assert opt2.step()[0]  # the loaded state is usable as placed
+
+
+def test_fp16_buffers_feed_the_distributed_optimizers_fp32_masters():
+    """fp16 without accumulate_allreduce_grads_in_fp32 keeps fp16 main_grad buffers; the distributed
+    optimizer's fp32 master pieces still take their gradients (as fp32) and step."""
+    from megatron_core.optimizer import AdamSettings, DistributedOptimizer
+
+    wrapped = DistributedDataParallel(_model().to(torch.float16), ParallelConfig(), grad_dtype=torch.float16,
+                                      reduce_kind="reduce_scatter")
+    opt = DistributedOptimizer(wrapped, AdamSettings(1e-3, 0.0), precision="fp16")
+    before = [p.detach().clone() for p in wrapped.module.parameters()]
+    _loss(wrapped, next(_micro_batches())).backward()
+    wrapped.finish_grad_sync()
+    ok, norm, _ = opt.step()
+    assert ok and norm > 0
+    assert any(not torch.equal(b, p) for b, p in zip(before, wrapped.module.parameters()))
+
+
+def test_fp32_iterations_without_zero_grad_buffer_lose_nothing():
+    """An fp32 param's .grad is its main_grad view while the optimizer steps; the step lets go of it,
+    so the next backward accumulates afresh instead of adding into the buffer it then zeroes."""
+    from megatron_core.optimizer import AdamSettings, MegatronOptimizer
+
+    model = _model().float()
+    wrapped = DistributedDataParallel(model, ParallelConfig(), grad_dtype=torch.float32)
+    opt = MegatronOptimizer(model, AdamSettings(0.0, 0.0), precision="fp32")  # lr 0: the same weights twice
+    batch = next(_micro_batches())
+    firsts = []
+    for _ in range(2):
+        _loss(wrapped, batch).backward()
+        wrapped.finish_grad_sync()
+        firsts.append({n: p.main_grad.clone() for n, p in model.named_parameters()})
+        assert opt.step()[0]
+    for name, grad in firsts[0].items():
+        assert torch.equal(firsts[1][name], grad) and grad.abs().sum() > 0, name

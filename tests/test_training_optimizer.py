@@ -182,3 +182,26 @@ def test_peak_table_and_mfu():
     assert flops.mfu(100.0, None) is None
     assert flops.mfu(156.0, 312.0) == pytest.approx(0.5)
     assert flops.tflops_per_device(8e12, 0.5, 2) == pytest.approx(8.0)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_step_count_keeps_counting_after_a_resume(precision):
+    """A resume writes the step where both torch (per tensor) and Apex (per group) read it; the
+    saved count must be the one that moved on, or Adam's bias correction restarts at every resume."""
+    def steps(opt, model, count):
+        for _ in range(count):
+            model(torch.ones(2, 4, dtype=next(model.parameters()).dtype)).float().backward()
+            assert opt.step()[0]
+            opt.zero_grad()
+
+    torch.manual_seed(0)
+    model = TwoLayer() if precision == "fp32" else TwoLayer().bfloat16()
+    opt = _opt(model, precision)
+    steps(opt, model, 3)
+    saved, weights = opt.state_dict(), copy.deepcopy(model.state_dict())
+    model2 = TwoLayer() if precision == "fp32" else TwoLayer().bfloat16()
+    model2.load_state_dict(weights)
+    opt2 = _opt(model2, precision)
+    opt2.load_state_dict(saved)
+    steps(opt2, model2, 5)
+    assert saved["step"] == 3 and opt2.state_dict()["step"] == 8

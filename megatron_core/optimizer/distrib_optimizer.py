@@ -114,7 +114,8 @@ class DistributedOptimizer(FP32MasterOptimizer):
         for piece in self.pieces:
             if piece.bucket.grad_shard is None:
                 raise RuntimeError("step() before any backward: no reduce-scattered gradients exist")
-            piece.master.grad = piece.bucket.grad_shard[piece.shard_start:piece.shard_start + piece.numel]
+            shard = piece.bucket.grad_shard[piece.shard_start:piece.shard_start + piece.numel]
+            piece.master.grad = shard if shard.dtype == torch.float32 else shard.float()  # fp16 buffers: fp32 master
             grads.append(piece.master.grad)
         if self.precision == "fp16":
             # Every rank of the world: each DP rank holds other pieces of the gradients.
@@ -130,7 +131,7 @@ class DistributedOptimizer(FP32MasterOptimizer):
         clip_by_norm_(grads, grad_norm, self.clip_grad)
         num_zeros = None
         if count_zeros:
-            zeros = torch.tensor(float(sum(int((g == 0).sum()) for g in grads)))
+            zeros = torch.tensor(float(sum(int((g == 0).sum()) for g in grads)), device=self._device())
             _all_reduce(zeros, self.dp_group)
             num_zeros = int(zeros.item())
         self.optimizer.step()

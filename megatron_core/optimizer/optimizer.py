@@ -122,10 +122,11 @@ class FP32MasterOptimizer:
         raise NotImplementedError
 
     def _step_count(self) -> int:
-        for value in [*self.optimizer.param_groups, *self.optimizer.state.values()]:  # Apex counts per group
-            if "step" in value:
-                return int(value["step"])
-        return 0
+        """Adam's step: torch counts per tensor, Apex per group; a resume writes both, and only the
+        counting one moves on, so the largest is the current count."""
+        steps = [int(value["step"]) for value in [*self.optimizer.param_groups, *self.optimizer.state.values()]
+                 if "step" in value]
+        return max(steps, default=0)
 
     @torch.no_grad()
     def _load_adam_state(self, master: torch.Tensor, entry: dict, step: int) -> None:
@@ -211,6 +212,10 @@ class MegatronOptimizer(FP32MasterOptimizer):
         if self.master_params is not self.model_params:
             with torch.no_grad():
                 torch._foreach_copy_(self.model_params, self.master_params)
+        else:  # an fp32 param's .grad is its main_grad view: drop it, or the next backward would add into it
+            for p, _ in pairs:
+                if getattr(p, "main_grad", None) is not None:
+                    p.grad = None
         return True, grad_norm, num_zeros
 
     def _master_grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

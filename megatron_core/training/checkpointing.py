@@ -229,11 +229,31 @@ def load_latest(load, *, required: bool = False) -> Optional[tuple[int, dict]]:
     `load_for_this_rank` for what the dict holds when the checkpoint was written under another layout."""
     load = Path(load)
     iteration = read_tracker(load)
+    _check_every_rank_found(iteration, load)
     if iteration is None:
         if required:
             raise CheckpointError(f"no checkpoint under {load} (no {TRACKER_FILENAME}); check --load")
         return None
     return iteration, load_for_this_rank(iteration_dir(load, iteration))
+
+
+def _check_every_rank_found(iteration, load: Path) -> None:
+    """Every rank must resume from the same iteration: on nodes that do not share a filesystem each
+    reads its own tracker, and a node without one (or with an older one) would silently start
+    elsewhere. Collective."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    code = -1 if iteration is None else (-2 if iteration == RELEASE else int(iteration))
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    found = torch.tensor([code, -code], dtype=torch.int64, device=device)
+    dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    highest, lowest = int(found[0]), -int(found[1])
+    if highest != lowest:
+        def name(c):
+            return {-1: "none", -2: RELEASE}.get(c, str(c))
+        raise CheckpointError(f"the ranks found different latest checkpoints under {load} (from {name(lowest)} to "
+                              f"{name(highest)}): on nodes without a shared filesystem copy every node's checkpoint "
+                              "files into one directory and resume from it (--load DIR)")
 
 
 def load_for_this_rank(iter_dir: Path) -> dict:
@@ -292,8 +312,9 @@ def load_for_this_rank(iter_dir: Path) -> dict:
     state.update(model_entries([nest_model_state(flat) for flat in model]))
     if optim is not None:
         state["optimizer"]["param_state"] = _optimizer_names(optim)
-    else:
-        state.pop("optimizer", None)
+    elif state.pop("optimizer", None) is not None:  # saved, but in a form we cannot read back per parameter
+        state["optimizer_not_loaded"] = ("its optimizer state is in a form this project cannot read per parameter "
+                                         "(Megatron-LM's own, or this project's before per-parameter state)")
     return state
 
 

@@ -85,38 +85,44 @@ class PrefetchingBatches:
 
     def __next__(self) -> dict:
         start = time.perf_counter()
-        batch = self._local_next() if self._thread is not None else None
+        item = self._local_item() if self._thread is not None else None
         if self.tp_group is not None:
-            batch = self._broadcast(batch)
+            item = self._broadcast(item)
         self.wait_seconds += time.perf_counter() - start
-        if batch is None:
-            raise StopIteration
-        return {key: value.to(self.device, non_blocking=True) for key, value in batch.items()}
-
-    def _local_next(self) -> Optional[dict]:
-        item = self._queue.get()
         if isinstance(item, BaseException):
             raise item
+        if item is None:
+            raise StopIteration
+        return {key: value.to(self.device, non_blocking=True) for key, value in item.items()}
+
+    def _local_item(self):
+        """The next batch, None at the end, or the reader's exception (raised by __next__, after the
+        TP group has heard of it, so no rank is left waiting in a broadcast)."""
+        item = self._queue.get()
         return None if item is _END else item
 
-    def _broadcast(self, batch: Optional[dict]) -> Optional[dict]:
-        """TP rank 0's batch (or its end) on every rank of the TP group."""
+    def _broadcast(self, item):
+        """TP rank 0's batch (or its end, or its failure) on every rank of the TP group. Everything
+        sent lives on the training device, so the same code serves NCCL (CUDA) and gloo (CPU)."""
         src = dist.get_global_rank(self.tp_group, 0)
-        if self._schema is None:  # shapes and dtypes, once: every later batch has the same
-            schema = [[(k, v.shape, v.dtype) for k, v in batch.items()] if batch is not None else None]
-            dist.broadcast_object_list(schema, src=src, group=self.tp_group)
-            if schema[0] is None:
-                return None
-            self._schema = schema[0]
-        present = torch.tensor([batch is not None], dtype=torch.int64)
-        dist.broadcast(present, src=src, group=self.tp_group)
-        if not present.item():
+        failed = isinstance(item, BaseException)
+        status = torch.tensor([-1 if failed else int(item is not None)], dtype=torch.int64, device=self.device)
+        dist.broadcast(status, src=src, group=self.tp_group)
+        if status.item() == -1:
+            return item if failed else RuntimeError("TP rank 0's batch reader failed (its error is in its log)")
+        if status.item() == 0:
             return None
-        if batch is None:
-            batch = {key: torch.empty(shape, dtype=dtype) for key, shape, dtype in self._schema}
+        if self._schema is None:  # shapes and dtypes, once: every later batch has the same
+            schema = [[(k, v.shape, v.dtype) for k, v in item.items()] if item is not None else None]
+            dist.broadcast_object_list(schema, src=src, group=self.tp_group)
+            self._schema = schema[0]
+        if item is None:
+            item = {key: torch.empty(shape, dtype=dtype, device=self.device) for key, shape, dtype in self._schema}
+        else:
+            item = {key: value.to(self.device, non_blocking=True) for key, value in item.items()}
         for key, _, _ in self._schema:
-            dist.broadcast(batch[key], src=src, group=self.tp_group)
-        return batch
+            dist.broadcast(item[key], src=src, group=self.tp_group)
+        return item
 
     def close(self) -> None:
         """Stop the reading thread (an iterator that wraps round never ends by itself)."""

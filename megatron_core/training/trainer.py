@@ -114,8 +114,9 @@ class Trainer:
             self.optimizer.load_state_dict(state["optimizer"])  # param_state re-sliced for this layout
             self.scheduler.load_state_dict(state["opt_param_scheduler"])
         else:
-            self.logger.info("checkpoint has no optimizer state (--no-save-optim): optimizer and LR restart; "
-                             "the run is not an exact continuation")
+            why = state.get("optimizer_not_loaded", "it has no optimizer state (--no-save-optim)")
+            self.logger.info(f"checkpoint: {why}: the optimizer and LR restart from the loaded weights; the run "
+                             "is not an exact continuation")
             self.scheduler.num_steps = int(state["consumed_train_samples"])
             self.scheduler.step(0)
         ckpt.set_rng_state(state["rng_state"][0])
