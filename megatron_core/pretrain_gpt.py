@@ -32,37 +32,31 @@ class TrainingConfigError(UserError):
 def check_training_values(recipe: Recipe) -> None:
     """Refuse, before any work, values the schema allows but training cannot use."""
     t, m = recipe.training, recipe.model
-    problems = []
-    if t.lr <= 0:
-        problems.append(f"training.lr must be > 0 (got {t.lr})")
-    if t.min_lr < 0:
-        problems.append(f"training.min_lr must be >= 0 (got {t.min_lr})")
-    if t.lr_warmup_iters < 0:
-        problems.append(f"training.lr_warmup_iters must be >= 0 (got {t.lr_warmup_iters})")
+    # (key, value, holds, what it must be): one line each, in the order people read the recipe
+    bounds = [
+        ("training.lr", t.lr, t.lr > 0, "> 0"),
+        ("training.min_lr", t.min_lr, t.min_lr >= 0, ">= 0"),
+        ("training.lr_warmup_iters", t.lr_warmup_iters, t.lr_warmup_iters >= 0, ">= 0"),
+        ("training.weight_decay", t.weight_decay, t.weight_decay >= 0, ">= 0"),
+        ("training.adam_beta1", t.adam_beta1, 0.0 <= t.adam_beta1 < 1.0, "in [0, 1)"),
+        ("training.adam_beta2", t.adam_beta2, 0.0 <= t.adam_beta2 < 1.0, "in [0, 1)"),
+        ("training.adam_eps", t.adam_eps, t.adam_eps > 0, "> 0"),
+        ("training.clip_grad", t.clip_grad, t.clip_grad >= 0, ">= 0 (0 turns clipping off;"),
+        ("training.eval_iters", t.eval_iters, t.eval_iters >= 0, ">= 0"),
+        ("training.save_interval", t.save_interval, t.save_interval is None or t.save_interval >= 1, ">= 1 or null"),
+        ("model.init_method_std", m.init_method_std, m.init_method_std > 0, "> 0"),
+    ]
+    problems = [f"{key} must be {must}{' ' if must.endswith(';') else ' ('}got {value})"
+                for key, value, holds, must in bounds if not holds]
     if t.lr_decay_style != "constant" and t.decay_iters <= t.lr_warmup_iters:
         problems.append(f"training.lr_decay_iters ({t.decay_iters}) must exceed lr_warmup_iters "
                         f"({t.lr_warmup_iters}) for {t.lr_decay_style} decay")
-    if t.weight_decay < 0:
-        problems.append(f"training.weight_decay must be >= 0 (got {t.weight_decay})")
-    for name, value in (("adam_beta1", t.adam_beta1), ("adam_beta2", t.adam_beta2)):
-        if not 0.0 <= value < 1.0:
-            problems.append(f"training.{name} must be in [0, 1) (got {value})")
-    if t.adam_eps <= 0:
-        problems.append(f"training.adam_eps must be > 0 (got {t.adam_eps})")
-    if t.clip_grad < 0:
-        problems.append(f"training.clip_grad must be >= 0 (0 turns clipping off; got {t.clip_grad})")
-    if t.eval_iters < 0:
-        problems.append(f"training.eval_iters must be >= 0 (got {t.eval_iters})")
-    if t.save_interval is not None and t.save_interval < 1:
-        problems.append(f"training.save_interval must be >= 1 or null (got {t.save_interval})")
     if t.fp16:
         if not 0 < t.min_loss_scale <= t.initial_loss_scale:
             problems.append(f"training.min_loss_scale {t.min_loss_scale} must be in (0, initial_loss_scale "
                             f"{t.initial_loss_scale}]")
         if t.loss_scale_window < 1 or t.hysteresis < 1:
             problems.append("training.loss_scale_window and training.hysteresis must be >= 1")
-    if m.init_method_std <= 0:
-        problems.append(f"model.init_method_std must be > 0 (got {m.init_method_std})")
     if problems:
         raise TrainingConfigError("cannot train this recipe: " + "; ".join(problems))
 
