@@ -36,6 +36,7 @@ from megatron_core.checkpoint_format import (
     merge_chunked_states,
     model_chunks,
     nest_model_state,
+    read_tracker,
     split_chunked_state,
     tp_partition_dim,
 )
@@ -114,13 +115,11 @@ def resolve_iteration_dir(load_dir: Union[str, Path], iteration=None) -> tuple[P
     if not load_dir.is_dir():
         raise UserError(f"checkpoint directory {load_dir} does not exist; pass the --save dir of a training run")
     if iteration is None or iteration == "latest":
-        tracker = load_dir / TRACKER_FILENAME
-        if not tracker.exists():
+        iteration = read_tracker(load_dir)  # the one tracker reader (it names a malformed file)
+        if iteration is None:
             found = sorted(p.name for p in load_dir.glob("iter_*"))
             hint = f" (found {', '.join(found)}; pass --iteration N)" if found else ""
             raise UserError(f"{load_dir} is not a Megatron checkpoint directory: no {TRACKER_FILENAME}{hint}")
-        text = tracker.read_text().strip()
-        iteration = text if text == RELEASE else _parse_int(text, tracker)
     elif iteration != RELEASE:
         iteration = _parse_int(str(iteration), "--iteration")
     path = iteration_dir(load_dir, iteration)
@@ -134,9 +133,6 @@ def _parse_int(text: str, where) -> int:
         return int(text)
     except ValueError:
         raise UserError(f"{where}: expected an iteration number or 'release', got {text!r}") from None
-
-
-find_shard_files = find_rank_files  # the name evaluate and older callers use
 
 
 # ----------------------------------------------------------------------------------------------
@@ -224,7 +220,7 @@ def _check_same(shards: dict, key: str, where: str) -> Any:
 def read_checkpoint(load_dir, iteration=None) -> MergedCheckpoint:
     """Read, check and merge every shard of one iteration."""
     iter_dir, iteration = resolve_iteration_dir(load_dir, iteration)
-    files = find_shard_files(iter_dir)
+    files = find_rank_files(iter_dir)
     print(f"convert: reading {len(files)} shard(s) from {iter_dir}", flush=True)
     shards = {pos: load_shard_file(path) for pos, path in files.items()}
     first = shards[min(shards)]
