@@ -185,7 +185,10 @@ TRAIN_HELP = {
 def train(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, nproc=0, nnodes=1, node_rank=0,
           master_addr="127.0.0.1", master_port=29500, rdzv_endpoint=None, load=None, no_save_optim=False):
     """Train the recipe (running the missing data steps first); prints the run directory."""
+    from megatron_core.pretrain_gpt import check_training_values
+
     r, overrides, nproc = _launch_recipe(recipe, set_, nproc, nnodes)
+    check_training_values(r)  # refused here, before the data steps run, as the processes would refuse it
     workflow.ensure_training_inputs(r, workdir)
     cmd = _train_command(r, overrides, nproc, nnodes, node_rank, master_addr, master_port, rdzv_endpoint, load,
                          no_save_optim, workdir)

@@ -51,6 +51,11 @@ def check_training_values(recipe: Recipe) -> None:
     if t.lr_decay_style != "constant" and t.decay_iters <= t.lr_warmup_iters:
         problems.append(f"training.lr_decay_iters ({t.decay_iters}) must exceed lr_warmup_iters "
                         f"({t.lr_warmup_iters}) for {t.lr_decay_style} decay")
+    if t.fp16 and trains_on(recipe) == "cpu":
+        where = "cpu" if t.device == "cpu" else f"{t.device} (no CUDA GPU visible, so cpu)"
+        problems.append(f"training.fp16 needs a CUDA GPU but training.device is {where}: fp16 is for GPUs (no "
+                        "fast fp16 matmuls on a CPU); on a CPU use --set fp16=false --set bf16=true (or fp32), "
+                        "or train on a GPU with --set device=cuda")
     if t.fp16:
         if not 0 < t.min_loss_scale <= t.initial_loss_scale:
             problems.append(f"training.min_loss_scale {t.min_loss_scale} must be in (0, initial_loss_scale "
@@ -59,6 +64,15 @@ def check_training_values(recipe: Recipe) -> None:
             problems.append("training.loss_scale_window and training.hysteresis must be >= 1")
     if problems:
         raise TrainingConfigError("cannot train this recipe: " + "; ".join(problems))
+
+
+def trains_on(recipe: Recipe) -> str:
+    """'cpu' or 'cuda': the device type choose_device gives this recipe on this host (a recipe that
+    names its device is a pure function of the recipe; 'auto' asks whether CUDA is visible)."""
+    requested = recipe.training.device
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return requested
 
 
 def choose_device(requested: str, local_device: Optional[torch.device] = None) -> torch.device:

@@ -2,9 +2,10 @@
 
 Each layout runs ITERATIONS iterations of the real training loop (megatron_core.training.trainer.
 Trainer) on the real pieces: GPTModel, the pipeline schedule, DP grad sync, MegatronOptimizer or
-the DistributedOptimizer, the LR scheduler. Model and optimizer are built here as
-megatron_core.pretrain_gpt builds them (handed in to the Trainer, which allows it), except that the
-initialization seed is the recipe's seed on every stage (layout-independent init). Every rank
+the DistributedOptimizer, the LR scheduler. Model and optimizer are built by
+megatron_core.pretrain_gpt.build_model_and_optimizer (in the recipe's precision) and handed in to
+the Trainer, which allows it: below train()'s recipe checks, so fp16's machinery (loss scaler,
+skipped steps, its checkpoints) is tested here on the CPU, where train() refuses fp16. Every rank
 returns its parameter shards under their global names; `merge_params` glues them back.
 
 Data: a synthetic dataset whose sample i is drawn from its own seeded generator; the trainer's
@@ -24,10 +25,8 @@ import torch.distributed as dist
 
 from megatron_core import parallel_state as ps
 from megatron_core.config import Recipe, recipe_from_dict
-from megatron_core.distributed import DistributedDataParallel
-from megatron_core.models.gpt import GPTModel, build_gpt_model
+from megatron_core.models.gpt import GPTModel
 from megatron_core.training.logging import RunLogger, read_metrics
-from megatron_core.optimizer.optimizer import AdamSettings, MegatronOptimizer
 
 SEQ = 16
 VOCAB = 100  # padded to 128 under TP 1 and TP 2 (make_vocab_size_divisible_by 64)
@@ -94,39 +93,44 @@ class SyntheticTokens(torch.utils.data.Dataset):
 
 
 def build(recipe: Recipe):
-    """(model as the loop sees it, the GPTModel, optimizer) for this rank, as megatron_core.pretrain_gpt builds them."""
-    from megatron_core.pretrain_gpt import seed_everything
+    """(model as the loop sees it, the GPTModel, optimizer) for this rank, built by
+    megatron_core.pretrain_gpt.build_model_and_optimizer itself (any precision the recipe asks for)."""
+    from megatron_core.pretrain_gpt import build_model_and_optimizer, seed_everything
 
-    p, t = recipe.parallel, recipe.training
+    p = recipe.parallel
     if dist.is_initialized():
         ps.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                                      p.virtual_pipeline_model_parallel_size(recipe.model.num_layers))
-    seed_everything(t.seed)
-    module = build_gpt_model(recipe.model, p, recipe.padded_vocab_size(VOCAB), init_seed=t.seed)
-    settings = AdamSettings(t.lr, t.weight_decay, t.adam_beta1, t.adam_beta2, t.adam_eps)
-    if p.use_distributed_optimizer:
-        from megatron_core.optimizer.distrib_optimizer import DistributedOptimizer
-
-        model = DistributedDataParallel(module, p, reduce_kind="reduce_scatter")
-        optimizer = DistributedOptimizer(model, settings, clip_grad=t.clip_grad)
-    else:
-        model = DistributedDataParallel(module, p) if ps.get_data_parallel_world_size() > 1 else module
-        optimizer = MegatronOptimizer(module, settings, clip_grad=t.clip_grad)
+    seed_everything(recipe.training.seed)
+    _, model, module, optimizer = build_model_and_optimizer(recipe, recipe.padded_vocab_size(VOCAB),
+                                                            torch.device("cpu"))
     return model, module, optimizer
 
 
-def fit(recipe: Recipe, run_dir: Path, save: Optional[Path] = None, load: Optional[Path] = None):
-    """Train with the real loop; returns (model as the loop saw it, GPTModel, optimizer, losses by
-    iteration on the log-writing rank, else None)."""
+def trainer_for(recipe: Recipe, run_dir: Path, save: Optional[Path] = None, load: Optional[Path] = None,
+                datasets=None, save_optim: bool = True):
+    """The real Trainer over this rank's build(recipe), on `datasets` (train, valid, test), default
+    the synthetic tokens. Below train()'s recipe checks: the CPU tests of fp16's machinery run here."""
+    from megatron_core.pretrain_gpt import precision_of
     from megatron_core.training.trainer import Trainer, _is_log_writer
 
     model, module, optimizer = build(recipe)
+    precision, dtype = precision_of(recipe)
     logger = RunLogger(run_dir, writer=_is_log_writer(), tensorboard=False)
-    trainer = Trainer(recipe, model, (SyntheticTokens(), None, None), recipe.padded_vocab_size(VOCAB), run_dir,
-                      optimizer=optimizer, device=torch.device("cpu"), save=save, load=load, logger=logger)
+    return Trainer(recipe, model, datasets or (SyntheticTokens(), None, None), recipe.padded_vocab_size(VOCAB),
+                   run_dir, optimizer=optimizer, device=torch.device("cpu"), save=save, load=load,
+                   save_optim=save_optim, logger=logger, precision=precision,
+                   params_dtype=str(dtype).replace("torch.", "")), module
+
+
+def fit(recipe: Recipe, run_dir: Path, save: Optional[Path] = None, load: Optional[Path] = None, datasets=None,
+        save_optim: bool = True):
+    """Train with the real loop (trainer_for); returns (model as the loop saw it, GPTModel, optimizer,
+    losses by iteration on the log-writing rank, else None)."""
+    trainer, module = trainer_for(recipe, run_dir, save, load, datasets, save_optim)
     trainer.fit()
     losses = {m["iteration"]: m["lm_loss"] for m in read_metrics(run_dir) if m["type"] == "train"}
-    return model, module, optimizer, (losses if logger.writer else None)
+    return trainer.model, module, trainer.optimizer, (losses if trainer.logger.writer else None)
 
 
 def rank_params(module: GPTModel) -> dict:

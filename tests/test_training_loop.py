@@ -12,7 +12,7 @@ from megatron_core.errors import UserError
 from megatron_core.pretrain_gpt import main as train_main
 from megatron_core.pretrain_gpt import train
 from megatron_core.training.logging import read_metrics
-from training_fixtures import VOCAB_SIZE, corpus, one_thread, tiny_recipe, train_losses, write_corpus  # noqa: F401 - fixtures
+from training_fixtures import VOCAB_SIZE, corpus, one_thread, tiny_recipe, train_below_checks, train_losses, write_corpus  # noqa: F401 - fixtures
 
 
 
@@ -64,6 +64,7 @@ def test_gradient_accumulation_matches_one_batch(corpus, tmp_path):
 
 
 def test_fp16_loop_skips_injected_inf_and_recovers(corpus, tmp_path, monkeypatch):
+    """fp16's dynamic loss scaling in the real loop, below train() (which refuses fp16 on a CPU)."""
     import megatron_core.pipeline_parallel as pipeline
     from megatron_core.distributed.grad_sync import gradient
 
@@ -81,10 +82,10 @@ def test_fp16_loop_skips_injected_inf_and_recovers(corpus, tmp_path, monkeypatch
     monkeypatch.setattr(pipeline, "get_forward_backward_func", lambda: poisoned)
     recipe = tiny_recipe("train_iters=16", "fp16=true", "initial_loss_scale=1024", "hysteresis=1",
                          "save_interval=null", "eval_iters=0")
-    summary = train(recipe, tmp_path, corpus, vocab_size=VOCAB_SIZE)
+    train_below_checks(recipe, tmp_path, corpus)
     metrics = [m for m in read_metrics(tmp_path) if m["type"] == "train"]
     by_it = {m["iteration"]: m for m in metrics}
-    assert summary["skipped_iterations"] == 1 and by_it[6]["skipped"] == 1
+    assert sorted(by_it) == list(range(1, 17)) and by_it[6]["skipped"] == 1
     assert by_it[5]["loss_scale"] == 1024.0 and by_it[6]["loss_scale"] == 512.0
     assert by_it[6]["lr"] == by_it[5]["lr"]  # a skipped step does not advance the schedule
     assert all(m["skipped"] == 0 for m in metrics if m["iteration"] != 6)
@@ -118,11 +119,51 @@ def test_bf16_trains_close_to_fp32_with_bf16_weights_and_fp32_master(first_run, 
     ("save_interval=0", "training.save_interval must be >= 1"),
     ("adam_beta2=1.0", "training.adam_beta2 must be in [0, 1)"),
     ("world_size=2", "the recipe's parallel.world_size is 2 but 1 processes were started"),
+    ("fp16=true", "training.fp16 needs a CUDA GPU but training.device is cpu"),
 ])
 def test_bad_recipe_values_refused_at_start(corpus, tmp_path, override, message):
     with pytest.raises(UserError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
         train(tiny_recipe(*override.split()), tmp_path, corpus, vocab_size=VOCAB_SIZE)
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+FP16_ON_CPU = ("cannot train this recipe: training.fp16 needs a CUDA GPU but training.device is cpu: fp16 is for "
+               "GPUs (no fast fp16 matmuls on a CPU); on a CPU use --set fp16=false --set bf16=true (or fp32), or "
+               "train on a GPU with --set device=cuda")
+
+
+def test_fp16_on_a_cpu_is_refused_in_one_line_by_every_entry_and_writes_nothing(corpus, tmp_path, capsys):
+    """train(), `python -m megatron_core.pretrain_gpt` and `invoke train` refuse fp16 on the CPU
+    device with one line naming the keys and the fix, before anything is written (invoke: before the
+    data steps run)."""
+    import invoke
+
+    import tasks
+
+    with pytest.raises(UserError) as refused:
+        train(tiny_recipe("fp16=true"), tmp_path / "run", corpus, vocab_size=VOCAB_SIZE)
+    assert str(refused.value) == FP16_ON_CPU
+    rc = train_main(["--recipe", "smoke", "--set", "fp16=true", "--data-path", corpus, "--vocab-size", "100",
+                     "--run-dir", str(tmp_path / "cli")])
+    assert rc == 2 and capsys.readouterr().err == f"error: {FP16_ON_CPU}\n"
+    with pytest.raises(invoke.Exit) as ended:
+        tasks.train(invoke.Context(), recipe="smoke", set_=["fp16=true"], workdir=str(tmp_path / "work"))
+    assert (ended.value.code, ended.value.message) == (2, f"error: {FP16_ON_CPU}")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_fp16_is_accepted_where_it_trains_on_a_gpu(monkeypatch):
+    """The check is a function of the recipe (and, for device auto, of whether CUDA is visible): fp16
+    on device cuda passes it on any host; auto is refused only where it would run on the CPU."""
+    from megatron_core.pretrain_gpt import check_training_values
+
+    check_training_values(tiny_recipe("fp16=true", "device=cuda"))
+    check_training_values(tiny_recipe("bf16=true"))  # bf16 on the CPU is fine
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    check_training_values(tiny_recipe("fp16=true", "device=auto"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match=r"training.device is auto \(no CUDA GPU visible, so cpu\)"):
+        check_training_values(tiny_recipe("fp16=true", "device=auto"))
 
 
 def test_cli_reports_errors_for_people(tmp_path, capsys):

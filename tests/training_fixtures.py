@@ -45,6 +45,22 @@ def train_losses(metrics: list[dict], kind: str = "train") -> dict[int, float]:
     return {m["iteration"]: m["lm_loss"] for m in metrics if m["type"] == kind}
 
 
+def train_below_checks(recipe, run_dir, data_prefix, *, load=None, save_optim: bool = True,
+                       vocab_size: int = VOCAB_SIZE) -> None:
+    """What train(recipe, run_dir, data_prefix, ...) runs, below its recipe checks: the real Trainer,
+    model, optimizer and loss scaler (test_parallel_equivalence's fit/build, i.e. pretrain_gpt's
+    build_model_and_optimizer), the corpus's datasets, checkpoints in run_dir/checkpoints loaded from
+    there unless `load`. For fp16's machinery on the CPU, where train() refuses fp16."""
+    import test_parallel_equivalence as proof
+    from megatron_core.pretrain_gpt import build_datasets
+
+    assert vocab_size == proof.VOCAB, "the harness pads the vocabulary of its own VOCAB"
+    run_dir = Path(run_dir)
+    datasets = build_datasets(recipe, data_prefix, run_dir / "index-cache")
+    save = run_dir / "checkpoints"
+    proof.fit(recipe, run_dir, save=save, load=load or save, datasets=datasets, save_optim=save_optim)
+
+
 # Fixtures for the modules that train (import them by name: `from training_fixtures import corpus, one_thread`).
 
 @pytest.fixture(scope="module", autouse=True)

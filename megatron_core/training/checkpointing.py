@@ -32,6 +32,7 @@ from megatron_core.checkpoint_format import (  # noqa: F401 - re-exported: the n
     RECIPE_FILENAME,
     RELEASE,
     TRACKER_FILENAME,
+    LEGACY_DISTRIB_OPTIM_FILENAME,
     CheckpointError,
     atomic_write_text,
     check_rank_files,
@@ -352,7 +353,8 @@ def _rank_states(iter_dir: Path, pos: tuple[int, int], pp_size: int, ckpt: dict,
         return model, None
     named = _optimizer_names(model)  # the weights under the optimizer's names
     if optim.get("distributed_optimizer"):
-        param_state = _glue_dp_pieces(iter_dir / rank_dirname(*pos, pp_size), ckpt["args"].data_parallel_size, named)
+        param_state = _distributed_optimizer_state(iter_dir / rank_dirname(*pos, pp_size),
+                                                   ckpt["args"].data_parallel_size, named)
     elif "param_state" in optim:
         param_state = optim["param_state"]
     else:  # Megatron-LM's own, or an older form: weights only (the trainer says the optimizer restarts)
@@ -360,6 +362,28 @@ def _rank_states(iter_dir: Path, pos: tuple[int, int], pp_size: int, ckpt: dict,
     entries = {name: {"fp32_param": entry.get("fp32_param", named[name].float()), "exp_avg": entry["exp_avg"],
                       "exp_avg_sq": entry["exp_avg_sq"]} for name, entry in param_state.items()}
     return model, _chunk_entries(entries, len(model))
+
+
+def _distributed_optimizer_state(rank_dir: Path, dp_size: int, model: dict) -> dict:
+    """{name: {fp32_param, exp_avg, exp_avg_sq}} in whole tensors shaped like `model`'s, from the
+    per-DP-rank files or, in a checkpoint of an earlier version, the one gathered distrib_optim.pt."""
+    legacy = rank_dir / LEGACY_DISTRIB_OPTIM_FILENAME
+    if legacy.exists() and not any((rank_dir / distrib_optim_filename(r)).exists() for r in range(dp_size)):
+        return _legacy_gathered_state(legacy, model)
+    return _glue_dp_pieces(rank_dir, dp_size, model)
+
+
+def _legacy_gathered_state(path: Path, model: dict) -> dict:
+    """The earlier versions' distrib_optim.pt: every parameter's state already whole (flattened)."""
+    saved = load_checkpoint_file(path).get("param_state")
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{path} holds no param_state; it is not a distributed optimizer file of this project")
+    wrong = [n for n in model if n not in saved or any(saved[n][k].numel() != model[n].numel()
+                                                        for k in OPTIM_STATE_KEYS)]
+    if wrong:
+        raise CheckpointError(f"{path} lacks the whole state of {wrong[:3]} ({len(wrong)} parameter(s)); it does not "
+                              "belong to the model file beside it: copy one checkpoint's folder")
+    return {name: {k: saved[name][k].reshape(model[name].shape) for k in OPTIM_STATE_KEYS} for name in model}
 
 
 def _glue_dp_pieces(rank_dir: Path, dp_size: int, model: dict) -> dict:
