@@ -7,7 +7,7 @@ Ours is the real training step (megatron_core.pretrain_gpt builds the model and 
 the forward/backward schedule and the Megatron optimizer step). The baseline, with `--baseline hf`,
 is `transformers.GPT2LMHeadModel` (SDPA attention) + `torch.optim.AdamW` (fused on CUDA, foreach on
 a CPU) with the same model size, starting weights (ours, converted), data, micro batches, gradient
-accumulation, precision (autocast for bf16/fp16), weight-decay groups, Adam settings, LR schedule and
+accumulation, precision (bf16/fp16: 16-bit weights and fp32 master copies on both sides), weight-decay groups, Adam settings, LR schedule and
 clipping. Before timing, one step of each from the same weights must give the same loss when dropout
 is off, and in fp32 the next steps must stay close (otherwise the two would not be doing the same
 work). Runs alternate (ours, hf, hf, ours, ...) in one process; each side keeps its best run.
@@ -41,7 +41,7 @@ from megatron_core.errors import UserError
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # Targets from the fused-kernels issue: our tokens/s over the transformers baseline.
-TARGET_RATIO = {"cpu": 1.2, "cuda": 1.8}
+TARGET_RATIO = {"cpu": 1.3, "cuda": 1.8}  # issue 15: at least 1.3x transformers
 
 
 # ----------------------------------------------------------------------------------------------
@@ -159,42 +159,63 @@ def build_hf(setup: Setup, start_state: dict):
     args = megatron_args(recipe, setup.padded_vocab, iteration=0, consumed_train_samples=0, params_dtype="float32")
     shape = shape_from_args(args)
     model = gpt2_model(start_state, shape, setup.eod, args, "sdpa")
-    model.to(device).train()
+    # Like with like: in bf16/fp16 the model holds 16-bit weights, as ours does, and torch AdamW steps
+    # fp32 master copies that are copied back after each step (mixed precision by hand, the textbook
+    # recipe). Ours keeps fp32 masters too, so both sides run the same 16-bit GEMMs and the same casts.
+    low = setup.param_dtype if setup.precision != "fp32" else None
+    model.to(device=device, dtype=low).train()
+    named = list(model.named_parameters())
+    masters = [torch.nn.Parameter(p.detach().float().clone()) for _, p in named] if low else None
+    stepped = [(n, m) for (n, _), m in zip(named, masters)] if low else named
     options = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    optimizer = torch.optim.AdamW(param_groups(model.named_parameters(), t.weight_decay), lr=t.lr,
+    optimizer = torch.optim.AdamW(param_groups(stepped, t.weight_decay), lr=t.lr,
                                   betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, **options)
     scheduler = OptimizerParamScheduler.for_training(optimizer, t)  # ours, too
-    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(setup.precision)
     scaler = torch.amp.GradScaler(device.type) if setup.precision == "fp16" else None
     micro_batches = recipe.num_micro_batches
     batches = setup.batches()
 
     def step() -> float:
         optimizer.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
         total = 0.0
         for _ in range(micro_batches):
             batch = next(batches)
-            with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                logits = model(input_ids=batch["tokens"], position_ids=batch["position_ids"]).logits
+            logits = model(input_ids=batch["tokens"], position_ids=batch["position_ids"]).logits
             per_token = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(),
                                                           reduction="none")
             mask = batch["loss_mask"].flatten().float()
             loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
             (scaler.scale(loss / micro_batches) if scaler else loss / micro_batches).backward()
             total += float(loss.detach())
+        if low:  # the 16-bit gradients to the fp32 masters, once per step
+            for (_, p), m in zip(named, masters):
+                m.grad = None if p.grad is None else p.grad.float()
         if scaler:
             scaler.unscale_(optimizer)
         if t.clip_grad > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip_grad)
+            torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], t.clip_grad)
         if scaler:
             scaler.step(optimizer)
             scaler.update()
         else:
             optimizer.step()
+        if low:
+            with torch.no_grad():
+                torch._foreach_copy_([p for _, p in named], masters)
         scheduler.step_iteration()
         return total / micro_batches
 
     return step
+
+
+def baseline_regime(precision: str) -> str:
+    """What the transformers side runs, said as ours' precision regime is."""
+    if precision == "fp32":
+        return "fp32 weights and AdamW, gradients in fp32 .grad"
+    scaling = "dynamic loss scaling (torch GradScaler)" if precision == "fp16" else "no loss scaling"
+    return (f"{precision} weights, fp32 master weights (torch AdamW on fp32 copies, copied back after each step), "
+            f"gradients accumulated in {precision} .grad and cast to fp32 once per step, {scaling}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -327,6 +348,8 @@ def _run(setup, recipe, overrides, iters, warmup, repeats, baseline, write, echo
         recipe.num_micro_batches, setup.param_dtype, setup.device)
     for side_result in best.values():  # the step's time if only its matrix multiplies cost anything
         side_result["fraction_of_gemm"] = gemms["gemm_ms_per_iteration"] / side_result["ms_per_iteration"]
+    if "baseline" in best:  # no implementation doing these GEMMs here can beat the baseline by more
+        best["baseline"]["ratio_bound"] = best["baseline"]["ms_per_iteration"] / gemms["gemm_ms_per_iteration"]
     echo(f"roofline: this machine's {gemms['dtype']} matmuls at the model's GEMM shapes run "
          f"{gemms['gemm_tflops']:.3f} TFLOP/s ({gemms['gemm_ms_per_iteration']:.1f} ms per iteration); fraction of "
          + ", ".join(f"{side} {r['fraction_of_gemm']:.2f}" for side, r in best.items()))
@@ -338,6 +361,9 @@ def _run(setup, recipe, overrides, iters, warmup, repeats, baseline, write, echo
         "recipe_hash": recipe.hash,
         "overrides": list(overrides),
         "device": setup.device_name,
+        # CPU: the vector ISA torch dispatches to; without AVX512-BF16/AMX a bf16 GEMM is emulated, far
+        # slower than fp32 (the roofline's bf16 figure shows it), and the step is nothing but GEMMs.
+        "cpu_capability": torch.backends.cpu.get_cpu_capability() if setup.device.type == "cpu" else None,
         "precision": setup.precision,
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -352,8 +378,7 @@ def _run(setup, recipe, overrides, iters, warmup, repeats, baseline, write, echo
         "fraction_of_gemm": best["ours"]["fraction_of_gemm"],
         "ours_profile": profile,
         "regime": {"ours": description["precision_regime"],
-                   "baseline": ("fp32 weights and AdamW" if setup.precision == "fp32" else
-                                f"fp32 weights and AdamW, forward under torch.autocast({setup.param_dtype})")},
+                   "baseline": baseline_regime(setup.precision)},
         "ours_backends": description["backends"],
         "ours_precision_regime": description["precision_regime"],
         "ours_grad_buffer_mb": description["grad_buffer_mb"],  # the fp32 (or param-dtype) main_grad buffers
@@ -371,10 +396,12 @@ def _run(setup, recipe, overrides, iters, warmup, repeats, baseline, write, echo
             "baseline_tokens_per_s": best["baseline"]["tokens_per_s"],
             "baseline_all_tokens_per_s": [r["tokens_per_s"] for r in runs["baseline"]],
             "ratio": ratio,
+            "ratio_bound": best["baseline"]["ratio_bound"],
             "target_ratio": target,
             "meets_target": ratio >= target,
         })
-        echo(f"ours / transformers: {ratio:.2f}x (target {target}x)")
+        echo(f"ours / transformers: {ratio:.2f}x (target {target}x; at most {best['baseline']['ratio_bound']:.2f}x "
+             "here: the baseline's step time over its GEMMs' time)")
     if write:
         result["results_file"] = str(write_results(result, Path(results_dir or RESULTS)))
     return result

@@ -61,3 +61,22 @@ def test_cli_prints_json_last_and_refuses_bad_input(smoke_bench, tmp_path):
     multi = subprocess.run([sys.executable, "-m", "bench.train", "--recipe", "smoke-tp2pp2", "--workdir",
                             str(workdir)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert multi.returncode == 2 and "times one device" in multi.stderr
+
+
+def test_bf16_baseline_does_the_same_work_with_16_bit_weights_and_fp32_masters(smoke_bench, tmp_path):
+    """Like with like: in bf16 both sides hold bf16 weights and step fp32 masters (no autocast on one
+    side only), so from the same weights their first losses agree closely and the regimes say so."""
+    import bench.train as bench_train
+
+    _, _, workdir = smoke_bench
+    result = bench_train.run("smoke", ["bf16=true"], str(workdir), iters=1, warmup=0, repeats=1, baseline="hf",
+                             echo=lambda _: None, results_dir=tmp_path)
+    assert result["precision"] == "bf16" and result["roofline"]["dtype"] == "bfloat16"
+    assert result["same_work_check"]["relative_difference"] < 1e-3  # measured 3e-6 here
+    for side in ("ours", "baseline"):
+        assert "bf16" in result["regime"][side] or "bfloat16" in result["regime"][side]
+        assert "master weights" in result["regime"][side] and "fp32" in result["regime"][side]
+        assert "autocast" not in result["regime"][side]
+    assert result["ratio_bound"] == pytest.approx(result["baseline"]["ms_per_iteration"]
+                                                  / result["roofline"]["gemm_ms_per_iteration"])
+    assert result["cpu_capability"]
