@@ -40,6 +40,28 @@ def test_bias_gelu_reference_is_the_tanh_formula():
     torch.testing.assert_close(bias_gelu(x, bias, backend="torch"), expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_bias_gelu_on_a_cpu_is_the_tanh_formula_forward_and_backward(dtype):
+    """The CPU path computes tanh-GeLU through sigmoid(2z) with its own backward: same values and
+    gradients as autograd through the tanh formula (fp64: to rounding; fp32: to fp32 noise)."""
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(33, 96, generator=gen, dtype=dtype) * 4).requires_grad_()
+    bias = torch.randn(96, generator=gen, dtype=dtype).requires_grad_()
+    grad = torch.randn(33, 96, generator=gen, dtype=dtype)
+    ours = bias_gelu(x, bias, backend="torch")
+    assert ours.grad_fn is not None and "BiasGeluSigmoid" in type(ours.grad_fn).__name__
+    z = x + bias
+    expected = 0.5 * z * (1 + torch.tanh(0.7978845608028654 * (z + 0.044715 * z**3)))
+    got, want = torch.autograd.grad(ours, (x, bias), grad), torch.autograd.grad(expected, (x, bias), grad)
+    tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-5}
+    torch.testing.assert_close(ours, expected, **tol)
+    torch.testing.assert_close(got[0], want[0], **tol)
+    torch.testing.assert_close(got[1], want[1], rtol=tol["rtol"], atol=tol["atol"] * 40)  # a sum of 33 rows
+    if dtype == torch.float64:
+        assert torch.autograd.gradcheck(lambda a, b: bias_gelu(a, b, backend="torch"),
+                                        (x[:3, :5].detach().requires_grad_(), bias[:5].detach().requires_grad_()))
+
+
 def test_causal_softmax_reference_is_megatron_masked_softmax():
     scores = torch.randn(2, 3, 33, 33)
     keep = torch.tril(torch.ones(33, 33, dtype=torch.bool))
