@@ -205,7 +205,8 @@ def test_workers_read_ahead_a_bounded_number_of_chunks(tmp_path):
             yield chunk
 
     args = _args([path], tmp_path / "unused")
-    with multiprocessing.get_context("fork").Pool(1, initializer=pp._init_worker, initargs=(args, "tiktoken", None)) as pool:
+    encoder = pp._Encoder(args, GPT2BPETokenizer(VOCAB, MERGES, engine="tiktoken", quiet=True), None)
+    with multiprocessing.get_context("fork").Pool(1, initializer=pp._init_forked_worker, initargs=(encoder,)) as pool:
         results = pp._ordered_bounded_map(pool, counted_chunks(), in_flight=3)
         first = next(results)
         assert len(read) <= 3  # Pool.imap would have queued all 24 chunks by now

@@ -151,10 +151,10 @@ def _iter_texts(files, keys) -> Iterator[str]:
 
 
 class _Encoder:
-    def __init__(self, args, engine: str, punkt_params) -> None:
+    def __init__(self, args, tokenizer: GPT2BPETokenizer, punkt_params) -> None:
         self.keys = list(args.json_keys)
         self.append_eod = args.append_eod
-        self.tokenizer = GPT2BPETokenizer(args.vocab_file, args.merge_file, engine=engine, quiet=True)
+        self.tokenizer = tokenizer
         self.dtype = best_token_dtype(self.tokenizer.vocab_size)
         self.splitter = None
         if punkt_params is not None:
@@ -194,24 +194,32 @@ class _Encoder:
             sentences = self.splitter.tokenize(value) if self.splitter is not None else [value]
         else:
             return f"key {key!r} holds a {type(value).__name__}, not a string; the corpus must hold text"
-        ids, lengths = [], []
-        for sentence_ids in self.tokenizer.encode_batch(sentences):
-            if sentence_ids:
-                ids.extend(sentence_ids)
-                lengths.append(len(sentence_ids))
-        if ids and self.append_eod:
-            ids.append(self.tokenizer.eod)
+        # Sentences with no tokens are dropped; the EOD ends the last sentence of a document
+        # that has any token.
+        arrays = [a for a in map(self.tokenizer.encode_array, sentences) if a.size]
+        lengths = [a.size for a in arrays]
+        if arrays and self.append_eod:
+            arrays.append(np.array([self.tokenizer.eod], dtype=np.uint32))
             lengths[-1] += 1
-        return np.asarray(ids, dtype=self.dtype), lengths
+        ids = np.concatenate(arrays).astype(self.dtype, copy=False) if arrays else np.zeros(0, dtype=self.dtype)
+        return ids, lengths
 
 
 _worker_encoder: Optional[_Encoder] = None
 
 
-def _init_worker(args, engine, punkt_params) -> None:
+def _init_forked_worker(encoder: _Encoder) -> None:
+    """A forked worker shares the parent's tokenizer, already built and verified."""
     global _worker_encoder
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    _worker_encoder = _Encoder(args, engine, punkt_params)
+    _worker_encoder = encoder
+
+
+def _init_spawned_worker(args, engine, punkt_params) -> None:
+    global _worker_encoder
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    tokenizer = GPT2BPETokenizer(args.vocab_file, args.merge_file, engine=engine, quiet=True)
+    _worker_encoder = _Encoder(args, tokenizer, punkt_params)
 
 
 def _encode_in_worker(chunk):
@@ -290,12 +298,16 @@ def preprocess(args: argparse.Namespace) -> dict:
     pool = None
     try:
         chunks = read_chunks(files)
+        encoder = _Encoder(args, tokenizer, punkt_params)
         if args.workers == 1:
-            encoder = _Encoder(args, engine, punkt_params)
             results = map(encoder.encode_chunk, chunks)
         else:
-            ctx = multiprocessing.get_context("spawn" if sys.platform == "darwin" else "fork")
-            pool = ctx.Pool(args.workers, initializer=_init_worker, initargs=(args, engine, punkt_params))
+            if sys.platform != "darwin":
+                ctx = multiprocessing.get_context("fork")
+                pool = ctx.Pool(args.workers, initializer=_init_forked_worker, initargs=(encoder,))
+            else:
+                ctx = multiprocessing.get_context("spawn")
+                pool = ctx.Pool(args.workers, initializer=_init_spawned_worker, initargs=(args, engine, punkt_params))
             results = _ordered_bounded_map(pool, chunks, in_flight=4 * args.workers)
         for path, lines in results:
             for result in lines:
