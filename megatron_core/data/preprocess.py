@@ -34,7 +34,7 @@ from megatron_core.data.tokenizer import ENGINES, GPT2BPETokenizer
 from megatron_core.errors import UserError
 
 CHUNK_LINES = 256
-CHUNK_BYTES = 2 << 20
+CHUNK_BYTES = 1 << 20  # small enough that the last chunks keep every worker busy to the end
 
 
 def _log(message: str) -> None:

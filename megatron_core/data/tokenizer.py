@@ -20,6 +20,7 @@ Two engines give those ids; one is chosen at construction and logged:
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -115,6 +116,10 @@ def _parse_merges(raw: bytes, merge_file) -> list[tuple[int, str, str]]:
         raise UserError(f"cannot read merges file {merge_file} ({exc}); it must be a GPT-2 merges.txt") from None
     merges = []
     for number, line in enumerate(lines, start=1):
+        left, space, right = line.partition(" ")
+        if left and right and " " not in right and number > 1:
+            merges.append((number, left, right))  # the common case, checked cheaply
+            continue
         if (number == 1 and line.startswith("#version")) or not line.strip():
             continue
         parts = line.split(" ")
@@ -147,13 +152,16 @@ def _check_tokenizer(vocab: dict, merges: list, vocab_file, merge_file) -> None:
             f"{vocab_file}: entry {bad!r} is not in GPT-2's byte-level alphabet; "
             "the files must be a byte-level BPE (GPT-2 format)"
         )
-    for number, left, right in merges:
-        for piece in (left, right, left + right):
-            if piece not in vocab:
-                raise UserError(
-                    f"{merge_file} line {number} ({left} {right}): {piece!r} is not in {vocab_file}; "
-                    "vocab.json and merges.txt do not belong together, use the pair written by one training"
-                )
+    _, lefts, rights = zip(*merges) if merges else ((), (), ())
+    tokens = vocab.keys()
+    if not (tokens >= set(lefts) and tokens >= set(rights) and tokens >= set(map(str.__add__, lefts, rights))):
+        for number, left, right in merges:
+            for piece in (left, right, left + right):
+                if piece not in vocab:
+                    raise UserError(
+                        f"{merge_file} line {number} ({left} {right}): {piece!r} is not in {vocab_file}; "
+                        "vocab.json and merges.txt do not belong together, use the pair written by one training"
+                    )
     missing_bytes = [c for c in bytes_to_unicode().values() if c not in vocab]
     if missing_bytes:
         raise UserError(
@@ -212,19 +220,22 @@ class _TiktokenEngine:
         # tiktoken's ranks order its merges; when vocab ids grow with the merge order (true of
         # GPT-2's files and of what `train_bpe_tokenizer` writes) the ids are the ranks, else a
         # table maps rank -> id. The bytes' ranks are never compared, only returned.
-        to_bytes = _to_bytes_table()
-        ids = [vocab[left + right] for _, left, right in merges]
-        monotonic = all(a < b for a, b in zip(ids, ids[1:]))
+        results = [left + right for _, left, right in merges]
+        ids = [vocab[token] for token in results]
+        monotonic = all(map(int.__lt__, ids, ids[1:]))
         ranks: dict[bytes, int] = {}
         rank_to_id = []
-        for char in bytes_to_unicode().values():
-            ranks[char.translate(to_bytes).encode("latin-1")] = vocab[char] if monotonic else len(rank_to_id)
+        for b, char in bytes_to_unicode().items():
+            ranks[bytes((b,))] = vocab[char] if monotonic else len(rank_to_id)
             rank_to_id.append(vocab[char])
-        for (_, left, right), merged_id in zip(merges, ids):
-            merged = (left + right).translate(to_bytes).encode("latin-1")
+        # Every vocab character stands for one byte: translate all results at once, then cut.
+        blob = "".join(results).translate(_to_bytes_table()).encode("latin-1")
+        ends = list(itertools.accumulate(map(len, results)))
+        for start, end, merged_id, token in zip([0, *ends], ends, ids, results):
+            merged = blob[start:end]
             if merged in ranks:
                 # Two merges making one token cannot be expressed as token ranks.
-                raise _EngineUnfit(f"merge result {left + right!r} is made by two merges")
+                raise _EngineUnfit(f"merge result {token!r} is made by two merges")
             ranks[merged] = merged_id if monotonic else len(rank_to_id)
             rank_to_id.append(merged_id)
         if len(set(ranks.values())) != len(ranks):
@@ -233,14 +244,25 @@ class _TiktokenEngine:
         # One special token that is never allowed (a literal <|endoftext|> stays text): with none,
         # tiktoken's encode path scans for an empty pattern at every position and is slower.
         specials = {EOD_TOKEN: max(ranks.values()) + 1}
-        self._gpt2 = tiktoken.Encoding("megatron-gpt2-bpe", pat_str=GPT2_SPLIT_PATTERN, mergeable_ranks=ranks,
-                                       special_tokens=specials)
-        self.marker = _free_marker(merges)
+        self._ranks, self._specials = ranks, specials
+        self._gpt2_encoding = None  # built when first needed
+        self.marker = _free_marker(results)
         if self.marker is not None:
             self._marker_rank = ranks[self.marker.encode()]
             self._marker_byte = ord(self.marker)
             self._marked = tiktoken.Encoding("megatron-gpt2-bpe-marked", pat_str=LOOKAHEAD_FREE_SPLIT_PATTERN,
                                               mergeable_ranks=ranks, special_tokens=specials)
+
+    @property
+    def _gpt2(self):
+        """tiktoken with GPT-2's own pattern: for texts that hold the marker, or no marker."""
+        if self._gpt2_encoding is None:
+            import tiktoken
+
+            self._gpt2_encoding = tiktoken.Encoding(
+                "megatron-gpt2-bpe", pat_str=GPT2_SPLIT_PATTERN, mergeable_ranks=self._ranks, special_tokens=self._specials
+            )
+        return self._gpt2_encoding
 
     def encode_array(self, text: str) -> np.ndarray:
         """The ids of text as a uint32 array."""
@@ -285,9 +307,9 @@ def _mark_ascii(text: str, marker: int) -> str:
     return np.insert(chars, at, marker).tobytes().decode("ascii")
 
 
-def _free_marker(merges: list[tuple[int, str, str]]) -> Optional[str]:
-    """The first candidate marker whose byte no merge contains (so BPE never joins it)."""
-    merged = set("".join(left + right for _, left, right in merges))
+def _free_marker(results: list[str]) -> Optional[str]:
+    """The first candidate marker whose byte no merge result contains (so BPE never joins it)."""
+    merged = set("".join(results))
     b2u = bytes_to_unicode()
     return next((c for c in _MARKER_CANDIDATES if b2u[ord(c)] not in merged), None)
 
@@ -387,8 +409,8 @@ class GPT2BPETokenizer:
         merges = _parse_merges(merges_raw, merge_file)
         _check_tokenizer(self.vocab, merges, vocab_file, merge_file)
         self.vocab_file, self.merge_file = os.fspath(vocab_file), os.fspath(merge_file)
-        self._inverse = {i: t for t, i in self.vocab.items()}
         self.eod: int = self.vocab[EOD_TOKEN]
+        self._inverse: Optional[dict[int, str]] = None  # built by the first decode
         files_sha256 = hashlib.sha256(b"vocab.json\0%s\0merges.txt\0%s" % (vocab_raw, merges_raw)).hexdigest()
         self.engine, why = self._choose_engine(engine, merges, files_sha256)
         if not quiet:
@@ -438,6 +460,8 @@ class GPT2BPETokenizer:
         return self.engine.encode_array(text)
 
     def decode(self, ids: Iterable[int]) -> str:
+        if self._inverse is None:
+            self._inverse = {i: t for t, i in self.vocab.items()}
         raw = b"".join(token_bytes(self._inverse[int(i)]) if int(i) != self.eod else EOD_TOKEN.encode() for i in ids)
         return raw.decode("utf-8", errors="replace")
 
