@@ -268,12 +268,20 @@ def test_probe_verdict_is_cached_per_files_and_can_be_turned_off(tmp_path, monke
     assert GPT2BPETokenizer(vocab, merges).engine.name == "tiktoken" and len(probes) == 1
     assert GPT2BPETokenizer(vocab, merges).engine.name == "tiktoken" and len(probes) == 1
     assert "(cached in " in capsys.readouterr().err
-    (cached,) = (tmp_path / "cache").iterdir()
-    assert cached.name.startswith("verdict-") and not list(tmp_path.joinpath("tok").glob("verdict*"))
-    # Other files: another verdict. A damaged verdict: probe again.
+    cached, tables = sorted((tmp_path / "cache").iterdir())
+    assert (cached.name, tables.suffix) == (tables.stem + ".json", ".npz") and cached.name.startswith("verdict-")
+    assert not list(tmp_path.joinpath("tok").glob("verdict*"))
+    # The engine from the cached tables encodes as the one built from the files.
+    built = GPT2BPETokenizer(vocab, merges, engine="tiktoken", quiet=True)
+    texts = _whitespace_texts(seed=5, n=200)
+    assert [GPT2BPETokenizer(vocab, merges).encode(t) for t in texts] == [built.encode(t) for t in texts]
+    # Other files: another verdict. Damaged tables: built again without a probe; a damaged verdict: probe again.
     other_vocab, other_merges = _write_bpe(tmp_path / "other", _merges_making(["ab", "abc"]))
     GPT2BPETokenizer(other_vocab, other_merges)
-    assert len(probes) == 2 and len(list((tmp_path / "cache").iterdir())) == 2
+    assert len(probes) == 2 and len(list((tmp_path / "cache").iterdir())) == 4
+    for damaged in (b"PK not a zip", tables.read_bytes()[:200]):
+        tables.write_bytes(damaged)
+        assert GPT2BPETokenizer(vocab, merges).encode("ab  ab") == built.encode("ab  ab") and len(probes) == 2
     cached.write_text("{not json", encoding="utf-8")
     GPT2BPETokenizer(vocab, merges)
     assert len(probes) == 3

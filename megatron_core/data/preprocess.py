@@ -33,7 +33,6 @@ from megatron_core.data.indexed_dataset import IMPLS, IndexedDatasetBuilder, bes
 from megatron_core.data.tokenizer import ENGINES, GPT2BPETokenizer
 from megatron_core.errors import UserError
 
-CHUNK_LINES = 256
 CHUNK_BYTES = 1 << 20  # small enough that the last chunks keep every worker busy to the end
 
 
@@ -106,27 +105,43 @@ def _open_binary(path: str):
 class _Chunk:
     path: str
     first_line: int
-    lines: list  # bytes, one JSON document each
+    data: bytes  # whole lines of the file (the last one without a newline at the end of a file)
+
+    def lines(self) -> Iterator[tuple[int, bytes, int]]:
+        """(line number, line, its size in the file) for each line that is not blank (blank lines
+        are not documents: json.loads refuses them too)."""
+        lines = self.data.split(b"\n")
+        ends_with_newline = not lines[-1]
+        if ends_with_newline:
+            lines.pop()
+        last = len(lines) - 1
+        for i, line in enumerate(lines):
+            if line and not line.isspace():
+                yield self.first_line + i, line, len(line) + (i < last or ends_with_newline)
 
 
 def read_chunks(files) -> Iterator[_Chunk]:
-    """Lines of all files in order, a bounded number at a time (never the whole corpus)."""
+    """All files in order, about CHUNK_BYTES of whole lines at a time (never the whole corpus).
+    The parent only cuts the bytes at newlines: the workers split, parse and encode the lines."""
     for path in files:
         try:
             with _open_binary(path) as f:
-                lines, size, first = [], 0, 1
-                for number, line in enumerate(f, start=1):
-                    if not line.strip():
-                        continue  # blank lines are not documents (json.loads refuses them too)
-                    if not lines:
-                        first = number
-                    lines.append((number, line))
-                    size += len(line)
-                    if len(lines) >= CHUNK_LINES or size >= CHUNK_BYTES:
-                        yield _Chunk(path, first, lines)
-                        lines, size = [], 0
-                if lines:
-                    yield _Chunk(path, first, lines)
+                number, pending = 1, []
+                while True:
+                    block = f.read(CHUNK_BYTES)
+                    if not block:
+                        if pending:
+                            yield _Chunk(path, number, b"".join(pending))
+                        break
+                    cut = block.rfind(b"\n") + 1
+                    if cut == 0:  # inside a line longer than a chunk: read on
+                        pending.append(block)
+                        continue
+                    pending.append(block[:cut] if cut < len(block) else block)
+                    data = b"".join(pending)
+                    yield _Chunk(path, number, data)
+                    number += data.count(b"\n")
+                    pending = [block[cut:]] if cut < len(block) else []
         except (OSError, EOFError, gzip.BadGzipFile) as exc:
             raise UserError(f"cannot read input file {path} ({exc}); check that it is intact") from None
 
@@ -135,7 +150,7 @@ def _iter_texts(files, keys) -> Iterator[str]:
     """Texts in input order, for training the sentence splitter (bad lines are skipped here;
     the real pass reports them)."""
     for chunk in read_chunks(files):
-        for _, line in chunk.lines:
+        for _, line, _ in chunk.lines():
             try:
                 doc = json.loads(line)
             except ValueError:
@@ -165,7 +180,7 @@ class _Encoder:
     def encode_chunk(self, chunk: _Chunk):
         """Per line: ("ok", {key: (tokens, sentence lengths)}, bytes) or ("bad", line number, why)."""
         out = []
-        for number, line in chunk.lines:
+        for number, line, nbytes in chunk.lines():
             try:
                 doc = json.loads(line)
             except ValueError as exc:  # JSONDecodeError and invalid UTF-8 alike
@@ -184,7 +199,7 @@ class _Encoder:
                     out.append(("error", number, encoded[key]))
                     break
             else:
-                out.append(("ok", encoded, len(line)))
+                out.append(("ok", encoded, nbytes))
         return chunk.path, out
 
     def _encode_text(self, value, number, key):

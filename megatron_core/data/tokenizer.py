@@ -25,6 +25,7 @@ import json
 import os
 import re
 import sys
+import zipfile
 from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
@@ -215,8 +216,6 @@ class _TiktokenEngine:
     name = "tiktoken"
 
     def __init__(self, vocab: dict, merges: list[tuple[int, str, str]]) -> None:
-        import tiktoken
-
         # tiktoken's ranks order its merges; when vocab ids grow with the merge order (true of
         # GPT-2's files and of what `train_bpe_tokenizer` writes) the ids are the ranks, else a
         # table maps rank -> id. The bytes' ranks are never compared, only returned.
@@ -240,18 +239,44 @@ class _TiktokenEngine:
             rank_to_id.append(merged_id)
         if len(set(ranks.values())) != len(ranks):
             raise _EngineUnfit("vocab.json gives one id to several tokens")
-        self._rank_to_id = None if monotonic else np.asarray(rank_to_id, dtype=np.uint32)
+        self._setup(ranks, None if monotonic else np.asarray(rank_to_id, dtype=np.uint32), _free_marker(results))
+
+    def _setup(self, ranks: dict[bytes, int], rank_to_id: Optional[np.ndarray], marker: Optional[str]) -> None:
+        import tiktoken
+
+        self._ranks, self._rank_to_id, self.marker = ranks, rank_to_id, marker
         # One special token that is never allowed (a literal <|endoftext|> stays text): with none,
         # tiktoken's encode path scans for an empty pattern at every position and is slower.
-        specials = {EOD_TOKEN: max(ranks.values()) + 1}
-        self._ranks, self._specials = ranks, specials
+        self._specials = {EOD_TOKEN: max(ranks.values()) + 1}
         self._gpt2_encoding = None  # built when first needed
-        self.marker = _free_marker(results)
-        if self.marker is not None:
-            self._marker_rank = ranks[self.marker.encode()]
-            self._marker_byte = ord(self.marker)
+        if marker is not None:
+            self._marker_rank = ranks[marker.encode()]
+            self._marker_byte = ord(marker)
             self._marked = tiktoken.Encoding("megatron-gpt2-bpe-marked", pat_str=LOOKAHEAD_FREE_SPLIT_PATTERN,
-                                              mergeable_ranks=ranks, special_tokens=specials)
+                                              mergeable_ranks=ranks, special_tokens=self._specials)
+
+    def save_tables(self, path: Path) -> None:
+        """The ranks, the rank -> id table and the marker, for `load_tables` (numpy .npz)."""
+        tokens = list(self._ranks)
+        with open(path, "wb") as f:
+            np.savez(
+                f,
+                blob=np.frombuffer(b"".join(tokens), dtype=np.uint8),
+                ends=np.fromiter(itertools.accumulate(map(len, tokens)), dtype=np.int64, count=len(tokens)),
+                ranks=np.fromiter(self._ranks.values(), dtype=np.int64, count=len(tokens)),
+                rank_to_id=self._rank_to_id if self._rank_to_id is not None else np.zeros(0, dtype=np.uint32),
+                marker=np.int64(-1 if self.marker is None else ord(self.marker)),
+            )
+
+    @classmethod
+    def load_tables(cls, path: Path) -> "_TiktokenEngine":
+        with np.load(path) as tables:
+            blob, ends = tables["blob"].tobytes(), tables["ends"].tolist()
+            ranks = dict(zip([blob[a:b] for a, b in zip([0, *ends], ends)], tables["ranks"].tolist()))
+            rank_to_id, marker = tables["rank_to_id"], int(tables["marker"])
+        engine = cls.__new__(cls)
+        engine._setup(ranks, rank_to_id if rank_to_id.size else None, None if marker < 0 else chr(marker))
+        return engine
 
     @property
     def _gpt2(self):
@@ -382,14 +407,20 @@ def _read_verdict(path: Optional[Path]) -> Optional[dict]:
     return verdict
 
 
-def _write_verdict(path: Optional[Path], verdict: dict) -> None:
+def _write_cache(path: Optional[Path], write) -> None:
+    """write(temporary path), then rename it to path: readers see a whole file or none."""
     if path is None:
         return
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_write(path, json.dumps(verdict))
-    except OSError:
-        pass  # a read-only or full cache only costs the probe next time
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError:  # a read-only or full cache only costs the probe next time
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
 
 
 # ----------------------------------------------------------------------------------------------
@@ -406,15 +437,30 @@ class GPT2BPETokenizer:
         vocab_raw = _read_bytes(vocab_file, "vocab", "vocab.json")
         merges_raw = _read_bytes(merge_file, "merges", "merges.txt")
         self.vocab: dict[str, int] = _parse_vocab(vocab_raw, vocab_file)
-        merges = _parse_merges(merges_raw, merge_file)
-        _check_tokenizer(self.vocab, merges, vocab_file, merge_file)
         self.vocab_file, self.merge_file = os.fspath(vocab_file), os.fspath(merge_file)
-        self.eod: int = self.vocab[EOD_TOKEN]
         self._inverse: Optional[dict[int, str]] = None  # built by the first decode
         files_sha256 = hashlib.sha256(b"vocab.json\0%s\0merges.txt\0%s" % (vocab_raw, merges_raw)).hexdigest()
-        self.engine, why = self._choose_engine(engine, merges, files_sha256)
+        self.engine, why = self._cached_engine(engine, files_sha256)
+        if self.engine is None:  # no verdict cached yet: read, check and probe
+            merges = _parse_merges(merges_raw, merge_file)
+            _check_tokenizer(self.vocab, merges, vocab_file, merge_file)
+            self.engine, why = self._choose_engine(engine, merges, files_sha256)
+        self.eod: int = self.vocab[EOD_TOKEN]
         if not quiet:
             _log(f"GPT2BPETokenizer: vocab {self.vocab_size}, engine {self.engine.name} ({why})")
+
+    @staticmethod
+    def _cached_engine(requested: str, files_sha256: str):
+        """The tiktoken engine from the cache, when a verdict says it equals the exact BPE on
+        these very files (which were checked before that verdict was written)."""
+        cache = _verdict_path(files_sha256) if requested == "auto" else None
+        verdict = _read_verdict(cache)
+        if verdict is None or not verdict["equal"]:
+            return None, None
+        try:
+            return _TiktokenEngine.load_tables(cache.with_suffix(".npz")), f"{verdict['why']} (cached in {cache})"
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile):
+            return None, None  # tables absent or damaged: build them again
 
     def _choose_engine(self, requested: str, merges, files_sha256: str):
         if requested == "hf":
@@ -429,9 +475,11 @@ class GPT2BPETokenizer:
             return fast, "requested"
         cache = _verdict_path(files_sha256)
         verdict = _read_verdict(cache)
-        if verdict is None:
-            verdict = self._probe(fast, _HFEngine(self.vocab, merges))
-            _write_verdict(cache, verdict)
+        if verdict is None or verdict["equal"]:  # (equal: the tables were missing)
+            verdict = self._probe(fast, _HFEngine(self.vocab, merges)) if verdict is None else verdict
+            if verdict["equal"] and cache is not None:
+                _write_cache(cache.with_suffix(".npz"), fast.save_tables)
+            _write_cache(cache, lambda path: path.write_text(json.dumps(verdict), encoding="utf-8"))
         else:
             verdict["why"] += f" (cached in {cache})"
         if verdict["equal"]:
