@@ -299,3 +299,13 @@ def test_cached_negative_verdict_keeps_the_exact_engine(tmp_path, monkeypatch, c
     tok = GPT2BPETokenizer(vocab, merges)
     assert tok.engine.name == "hf" and "tiktoken differs" in capsys.readouterr().err
     assert tok.encode("abc") == _hf(tmp_path).encode("abc")
+
+
+def test_ascii_marking_equals_the_regex_marking():
+    from megatron_core.data.tokenizer import _MARK_AT, _mark_ascii
+
+    rng = random.Random(6)
+    alphabet = [" ", "\t", "\n", "\x0b", "\x0c", "\r", "\x1c", "\x1f", "\x08", "\x0e", "a", "!", "  "]
+    texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40))) for _ in range(3000)]
+    for text in texts + ["", " ", "  ", "  a", "a  ", "x\n\n    y\n"]:
+        assert _mark_ascii(text, 0) == _MARK_AT.sub("\x00", text), repr(text)

@@ -316,8 +316,6 @@ class _TiktokenEngine:
 _WHITE_SPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
 # Between the last two characters of a whitespace run that a non-whitespace character follows.
 _MARK_AT = re.compile(f"(?<=[{_WHITE_SPACE}])(?=[{_WHITE_SPACE}][^{_WHITE_SPACE}])")
-_ASCII_WHITE_SPACE = np.zeros(256, dtype=bool)
-_ASCII_WHITE_SPACE[[9, 10, 11, 12, 13, 32]] = True
 # Marker candidates: control bytes, not White_Space, not \p{L} nor \p{N}; one UTF-8 byte each.
 _MARKER_CANDIDATES = [chr(c) for c in (*range(0x00, 0x09), *range(0x0E, 0x20), 0x7F)]
 
@@ -325,11 +323,18 @@ _MARKER_CANDIDATES = [chr(c) for c in (*range(0x00, 0x09), *range(0x0E, 0x20), 0
 def _mark_ascii(text: str, marker: int) -> str:
     """_MARK_AT.sub(chr(marker), text) for ASCII text, with numpy (several times faster)."""
     chars = np.frombuffer(text.encode("ascii"), dtype=np.uint8)
-    space = _ASCII_WHITE_SPACE[chars]
-    at = np.flatnonzero(space[:-2] & space[1:-1] & ~space[2:]) + 1
+    space = (chars == 32) | ((chars - np.uint8(9)) < 5)  # [ \t\n\v\f\r]: wraps below 9
+    edge = space[:-2] & space[1:-1]
+    edge &= ~space[2:]
+    at = np.flatnonzero(edge)
     if not at.size:
         return text
-    return np.insert(chars, at, marker).tobytes().decode("ascii")
+    at += np.arange(1, at.size + 1)  # the markers' places in the output
+    out = np.full(chars.size + at.size, marker, dtype=np.uint8)
+    keep = np.ones(out.size, dtype=bool)
+    keep[at] = False
+    out[keep] = chars
+    return out.tobytes().decode("ascii")
 
 
 def _free_marker(results: list[str]) -> Optional[str]:
