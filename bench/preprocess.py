@@ -21,7 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 from megatron_core.data.corpus import build_corpus
+from megatron_core.data.indexed_dataset import IndexedDataset
 from megatron_core.data.preprocess import preprocess, preprocess_args
 from megatron_core.data.tokenizer import GPT2BPETokenizer, file_sha256, train_bpe_tokenizer
 
@@ -33,6 +36,27 @@ def _texts(corpus: Path):
     with open(corpus, encoding="utf-8") as f:
         for line in f:
             yield json.loads(line)["content"]
+
+
+def check_tokens(corpus: Path, prefix: Path, tokenizer: GPT2BPETokenizer) -> dict:
+    """The written tokens against tiktoken on the same ranks with GPT-2's own split pattern (the
+    lookahead one): what the engine's marker must reproduce, document by document."""
+    if tokenizer.engine.name != "tiktoken":
+        return {"documents_checked": 0, "documents_differing": 0, "skipped": f"engine {tokenizer.engine.name}"}
+    reference = tokenizer.engine._gpt2  # the engine's fallback encoding, built on first use
+    to_id = tokenizer.engine._rank_to_id
+    dataset = IndexedDataset(prefix)
+    docs = dataset.document_indices
+    differing = 0
+    with open(corpus, encoding="utf-8") as f:
+        for number, line in enumerate(f):
+            expected = reference.encode_to_numpy(json.loads(line)["content"], disallowed_special=())
+            expected = expected if to_id is None else to_id[expected]
+            got = [dataset[i] for i in range(docs[number], docs[number + 1])]
+            got = np.concatenate(got)[:-1] if got else np.zeros(0, dtype=np.uint32)  # without the EOD
+            differing += not np.array_equal(got, expected)
+    dataset.close()
+    return {"documents_checked": len(docs) - 1, "documents_differing": differing}
 
 
 def run(
@@ -76,6 +100,12 @@ def run(
     if proc.returncode != 0:
         raise RuntimeError(f"preprocess failed ({proc.returncode}): {proc.stderr[-2000:]}")
     summary = preprocess(args)
+    outputs = [workdir / out / f"stdlib_content_document.{ext}" for out in ("out", "out-cli") for ext in ("bin", "idx")]
+    cli_equals_in_process = all(a.read_bytes() == b.read_bytes() for a, b in zip(outputs[:2], outputs[2:]))
+    tokenizer = GPT2BPETokenizer(vocab, merges, quiet=True)
+    tokens_check = check_tokens(corpus, workdir / "out" / "stdlib_content_document", tokenizer)
+    if tokens_check["documents_differing"] or not cli_equals_in_process:
+        raise RuntimeError(f"preprocess output differs: {tokens_check}, cli equals in-process: {cli_equals_in_process}")
     end_to_end_mb_per_s = summary["input_bytes"] / 1e6 / end_to_end
     result = {
         "benchmark": "preprocess",
@@ -85,7 +115,8 @@ def run(
         "load_average_1m": os.getloadavg()[0],
         "python": platform.python_version(),
         "tokenizer_engine": summary["tokenizer_engine"],
-        "vocab_size": GPT2BPETokenizer(vocab, merges, engine="hf", quiet=True).vocab_size,
+        "vocab_size": tokenizer.vocab_size,
+        "tokenizer_marker": tokenizer.engine.marker if tokenizer.engine.name == "tiktoken" else None,
         "tokenizer_reused": reused,
         "corpus_documents": corpus_summary["documents"],
         "input_mb": round(summary["input_bytes"] / 1e6, 3),
@@ -101,6 +132,10 @@ def run(
         "end_to_end_mb_per_s": round(end_to_end_mb_per_s, 3),
         "target_mb_per_s": TARGET_MB_PER_S,
         "meets_target": end_to_end_mb_per_s >= TARGET_MB_PER_S,
+        # Every document's tokens equal tiktoken's with GPT-2's own (lookahead) split pattern, and
+        # the command's .bin/.idx equal the in-process run's byte for byte (else the bench fails).
+        "tokens_equal_gpt2_pattern": tokens_check,
+        "cli_output_equals_in_process": cli_equals_in_process,
         "corpus_seconds": round(corpus_seconds, 3),
         "tokenizer_seconds": round(tokenizer_seconds, 3),
     }

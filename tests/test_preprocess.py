@@ -191,12 +191,13 @@ def test_failure_after_output_started_leaves_nothing(tmp_path, capsys):
     _assert_fails_cleanly(tmp_path, capsys, _cli(tmp_path, [path], "--workers", "2"), r"line 3001: key 'content' holds a NoneType")
 
 
-def test_workers_read_ahead_a_bounded_number_of_chunks(tmp_path):
+def test_workers_read_ahead_a_bounded_number_of_chunks(tmp_path, monkeypatch):
     import multiprocessing
 
     from megatron_core.data import preprocess as pp
 
     path = _corpus(tmp_path, GOOD * 20)
+    monkeypatch.setattr(pp, "CHUNK_BYTES", path.stat().st_size // 24 + 1)
     read = []
 
     def counted_chunks():
@@ -205,12 +206,28 @@ def test_workers_read_ahead_a_bounded_number_of_chunks(tmp_path):
             yield chunk
 
     args = _args([path], tmp_path / "unused")
-    with multiprocessing.get_context("fork").Pool(1, initializer=pp._init_worker, initargs=(args, "tiktoken", None)) as pool:
+    encoder = pp._Encoder(args, GPT2BPETokenizer(VOCAB, MERGES, engine="tiktoken", quiet=True), None)
+    with multiprocessing.get_context("fork").Pool(1, initializer=pp._init_forked_worker, initargs=(encoder,)) as pool:
         results = pp._ordered_bounded_map(pool, counted_chunks(), in_flight=3)
         first = next(results)
-        assert len(read) <= 3  # Pool.imap would have queued all 24 chunks by now
+        assert len(read) <= 3  # Pool.imap would have queued all the chunks by now
         rest = list(results)
-    assert len(read) == 24 and len(rest) == 23 and first[1][0][0] == "ok"
+    assert len(read) >= 24 and len(rest) == len(read) - 1 and first[1][0][0] == "ok"
+    assert sum(len(lines) for _, lines in [first, *rest]) == len(GOOD) * 20
+
+
+def test_chunks_cut_at_newlines_keep_line_numbers_and_sizes(tmp_path, monkeypatch):
+    from megatron_core.data import preprocess as pp
+
+    long = json.dumps({"content": "y" * 5000})
+    lines = ["", *GOOD[:40], "  ", long, *GOOD[40:80], "\t", long]
+    path = tmp_path / "c.jsonl"
+    path.write_bytes(("\n".join(lines)).encode())  # the last line has no newline
+    expected = [(n, line.encode(), len(line) + (n < len(lines))) for n, line in enumerate(lines, 1) if line.strip()]
+    for chunk_bytes in (7, 100, 1000, 1 << 20):  # chunks shorter than a line, and longer than the file
+        monkeypatch.setattr(pp, "CHUNK_BYTES", chunk_bytes)
+        got = [entry for chunk in pp.read_chunks([str(path)]) for entry in chunk.lines()]
+        assert got == expected, chunk_bytes
 
 
 def test_keep_newlines_keeps_every_character(tmp_path):

@@ -134,3 +134,178 @@ def test_train_bpe_tokenizer_writes_gpt2_files(tmp_path):
     assert file_sha256(vocab) == file_sha256(vocab2) and file_sha256(merges) == file_sha256(merges2)
     with pytest.raises(UserError, match="empty"):
         train_bpe_tokenizer(iter([]), 600, tmp_path / "tok3")
+
+
+# ----------------------------------------------------------------------------------------------
+# The tiktoken engine's marker: GPT-2's split without the lookahead
+# ----------------------------------------------------------------------------------------------
+
+_SPACES = [" ", "\t", "\n", "\x0b", "\x0c", "\r", "\x85", "\xa0", "\u1680", "\u2003", "\u2028", "\u3000"]
+_NOT_SPACES = ["\x1c", "\x1f", "\u200b", "\ufeff", "\u180e"]  # str.isspace() says yes for \x1c-\x1f
+_MARKERS = ["\x00", "\x01", "\x08", "\x0e", "\x1b", "\x7f"]
+_AFTER = ["a", "Z", "é", "ж", "日", "1", "٣", "!", "(", "'s", "'ll", "🙂", "_"]
+
+
+def _merges_making(strings):
+    """Merges that make each string one token, left to right, so that piece boundaries show in
+    the ids (a vocab that cannot tell " " + "\\na" from " \\n" + "a" would prove nothing)."""
+    b2u = bytes_to_unicode()
+    merges, made = [], set()
+    for s in strings:
+        chars = [b2u[b] for b in s.encode("utf-8")]
+        current = chars[0]
+        for c in chars[1:]:
+            if current + c not in made:
+                merges.append((current, c))
+                made.add(current + c)
+            current += c
+    return merges
+
+
+def _whitespace_vocab_strings():
+    strings = [a + b for a in _SPACES + _NOT_SPACES for b in _SPACES + _NOT_SPACES]
+    strings += [w + x for w in _SPACES + _NOT_SPACES + ["  ", "\n "] for x in _AFTER]
+    strings += ["   ", "    ", "\n    ", "\n\n", " \n", "\t\t", "ab", "abc", "11", "!!"]
+    return strings
+
+
+def _whitespace_texts(seed=0, n=1500):
+    rng = random.Random(seed)
+    alphabet = _SPACES * 3 + _NOT_SPACES + _MARKERS + _AFTER + ["  ", "    ", "\n    ", "x"]
+    texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 24))) for _ in range(n)]
+    for w in _SPACES + _NOT_SPACES:
+        for x in _AFTER + [""]:
+            # runs of one to three before a letter, digit, punctuation, contraction, end of text
+            texts += [w + x, " " + w + x, w + w + x, w + " " + x, w + w + w + x, "q" + w + w + x + w + w]
+    texts += [z + "  a" for z in _MARKERS] + [" a  b" + z + "  c" for z in _MARKERS]
+    texts += ["", " ", "  ", " !", "a !", "a  !", "a\n\n\tb", "x" + " " * 50 + "y", "\n" * 9 + "z", "if x:\n    return 1\n"]
+    return texts
+
+
+def _assert_equal(tok, reference, texts):
+    for text in texts:
+        assert tok.encode(text) == reference(text), repr(text)
+        assert tok.encode_array(text).tolist() == reference(text), repr(text)
+
+
+def _gpt2_pattern(tok):
+    """tiktoken on the same ranks with GPT-2's own split pattern (lookahead included)."""
+    encoding = tok.engine._gpt2
+    to_id = tok.engine._rank_to_id
+    return lambda text: [int(to_id[r]) if to_id is not None else r for r in encoding.encode_ordinary(text)]
+
+
+def test_marker_split_equals_gpt2_split_where_they_differ(tmp_path):
+    # Handmade merges join whitespace with what follows, so every piece boundary shows in the ids.
+    # (Such a vocab is no ordinary BPE: tiktoken's ranks and the exact BPE may disagree on it, so
+    # the reference is tiktoken with GPT-2's pattern; the next test compares with the exact BPE.)
+    vocab, merges = _write_bpe(tmp_path, _merges_making(_whitespace_vocab_strings()))
+    tok = GPT2BPETokenizer(vocab, merges, engine="tiktoken")
+    assert tok.engine.marker == "\x00"
+    _assert_equal(tok, _gpt2_pattern(tok), _whitespace_texts())
+
+
+def test_marker_engine_equals_exact_bpe_on_whitespace_edges(tmp_path):
+    texts = _whitespace_texts(seed=1)
+    vocab, merges = train_bpe_tokenizer(iter(texts * 3), 1200, tmp_path / "tok", min_frequency=2)
+    tok = GPT2BPETokenizer(vocab, merges)
+    assert tok.engine.name == "tiktoken" and tok.engine.marker is not None
+    exact = GPT2BPETokenizer(vocab, merges, engine="hf")
+    _assert_equal(tok, exact.encode, texts + _whitespace_texts(seed=2, n=500))
+
+
+def test_marker_skips_merged_bytes_and_falls_back_when_none_is_free(tmp_path):
+    texts = _whitespace_texts(seed=3, n=600)
+    # A vocab that merges "\x00" and "\x01" with a space: the marker must be another byte.
+    some = texts * 2 + [" \x00 \x00 \x01 \x01" * 30] * 5
+    vocab, merges = train_bpe_tokenizer(iter(some), 800, tmp_path / "some", min_frequency=2)
+    tok = GPT2BPETokenizer(vocab, merges)
+    assert tok.engine.name == "tiktoken" and tok.engine.marker == "\x02"
+    _assert_equal(tok, GPT2BPETokenizer(vocab, merges, engine="hf").encode, texts)
+    # Every candidate merged: no marker, GPT-2's own pattern.
+    candidates = [chr(c) for c in (*range(0x00, 0x09), *range(0x0E, 0x20), 0x7F)]
+    every = texts * 2 + ["".join(c * 2 + " " for c in candidates) * 30] * 5
+    vocab, merges = train_bpe_tokenizer(iter(every), 800, tmp_path / "all", min_frequency=2)
+    tok = GPT2BPETokenizer(vocab, merges)
+    assert tok.engine.name == "tiktoken" and tok.engine.marker is None
+    _assert_equal(tok, GPT2BPETokenizer(vocab, merges, engine="hf").encode, texts)
+
+
+def test_marker_engine_with_ids_out_of_merge_order(tmp_path):
+    # Ids that do not grow with the merge order: the engine maps tiktoken's ranks to the ids.
+    texts = _whitespace_texts(seed=4, n=600)
+    vocab, merges = train_bpe_tokenizer(iter(texts * 3), 600, tmp_path / "tok", min_frequency=2)
+    data = json.loads(vocab.read_text(encoding="utf-8"))
+    merged = [t for t, i in data.items() if i > 256]
+    for token, new_id in zip(merged, sorted((data[t] for t in merged), reverse=True)):
+        data[token] = new_id
+    vocab.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    tok = GPT2BPETokenizer(vocab, merges, engine="tiktoken")
+    assert tok.engine._rank_to_id is not None
+    _assert_equal(tok, GPT2BPETokenizer(vocab, merges, engine="hf").encode, texts)
+
+
+def test_fixture_vocab_on_whitespace_edges_and_lone_surrogates():
+    tok = GPT2BPETokenizer(FIXTURE / "vocab.json", FIXTURE / "merges.txt", engine="tiktoken")
+    theirs = _hf(FIXTURE)
+    for text in _whitespace_texts(seed=3, n=500) + _fixture_texts()[:30]:
+        assert tok.encode(text) == theirs.encode(text), repr(text)
+    # JSON may hold a lone surrogate; it is encoded as U+FFFD (as tiktoken itself does).
+    assert tok.encode("a \ud800  b") == tok.encode("a \ufffd  b")
+
+
+# ----------------------------------------------------------------------------------------------
+# The probe's verdict, cached
+# ----------------------------------------------------------------------------------------------
+
+
+def test_probe_verdict_is_cached_per_files_and_can_be_turned_off(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MEGATRON_CORE_TOKENIZER_CACHE", str(tmp_path / "cache"))
+    probes = []
+    real_probe = GPT2BPETokenizer._probe
+    monkeypatch.setattr(GPT2BPETokenizer, "_probe", lambda self, *a: probes.append(1) or real_probe(self, *a))
+    vocab, merges = _write_bpe(tmp_path / "tok", _merges_making(["ab", "  ", "\n "]))
+    assert GPT2BPETokenizer(vocab, merges).engine.name == "tiktoken" and len(probes) == 1
+    assert GPT2BPETokenizer(vocab, merges).engine.name == "tiktoken" and len(probes) == 1
+    assert "(cached in " in capsys.readouterr().err
+    cached, tables = sorted((tmp_path / "cache").iterdir())
+    assert (cached.name, tables.suffix) == (tables.stem + ".json", ".npz") and cached.name.startswith("verdict-")
+    assert not list(tmp_path.joinpath("tok").glob("verdict*"))
+    # The engine from the cached tables encodes as the one built from the files.
+    built = GPT2BPETokenizer(vocab, merges, engine="tiktoken", quiet=True)
+    texts = _whitespace_texts(seed=5, n=200)
+    assert [GPT2BPETokenizer(vocab, merges).encode(t) for t in texts] == [built.encode(t) for t in texts]
+    # Other files: another verdict. Damaged tables: built again without a probe; a damaged verdict: probe again.
+    other_vocab, other_merges = _write_bpe(tmp_path / "other", _merges_making(["ab", "abc"]))
+    GPT2BPETokenizer(other_vocab, other_merges)
+    assert len(probes) == 2 and len(list((tmp_path / "cache").iterdir())) == 4
+    for damaged in (b"PK not a zip", tables.read_bytes()[:200]):
+        tables.write_bytes(damaged)
+        assert GPT2BPETokenizer(vocab, merges).encode("ab  ab") == built.encode("ab  ab") and len(probes) == 2
+    cached.write_text("{not json", encoding="utf-8")
+    GPT2BPETokenizer(vocab, merges)
+    assert len(probes) == 3
+    monkeypatch.setenv("MEGATRON_CORE_TOKENIZER_CACHE", "0")
+    GPT2BPETokenizer(vocab, merges)
+    GPT2BPETokenizer(vocab, merges)
+    assert len(probes) == 5
+
+
+def test_cached_negative_verdict_keeps_the_exact_engine(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MEGATRON_CORE_TOKENIZER_CACHE", str(tmp_path / "cache"))
+    vocab, merges = _write_bpe(tmp_path, [("a", "b"), ("b", "c"), ("a", "bc")])
+    assert GPT2BPETokenizer(vocab, merges).engine.name == "hf"
+    monkeypatch.setattr(GPT2BPETokenizer, "_probe", lambda self, *a: pytest.fail("probed again"))
+    tok = GPT2BPETokenizer(vocab, merges)
+    assert tok.engine.name == "hf" and "tiktoken differs" in capsys.readouterr().err
+    assert tok.encode("abc") == _hf(tmp_path).encode("abc")
+
+
+def test_ascii_marking_equals_the_regex_marking():
+    from megatron_core.data.tokenizer import _MARK_AT, _mark_ascii
+
+    rng = random.Random(6)
+    alphabet = [" ", "\t", "\n", "\x0b", "\x0c", "\r", "\x1c", "\x1f", "\x08", "\x0e", "a", "!", "  "]
+    texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40))) for _ in range(3000)]
+    for text in texts + ["", " ", "  ", "  a", "a  ", "x\n\n    y\n"]:
+        assert _mark_ascii(text, 0) == _MARK_AT.sub("\x00", text), repr(text)

@@ -33,8 +33,7 @@ from megatron_core.data.indexed_dataset import IMPLS, IndexedDatasetBuilder, bes
 from megatron_core.data.tokenizer import ENGINES, GPT2BPETokenizer
 from megatron_core.errors import UserError
 
-CHUNK_LINES = 256
-CHUNK_BYTES = 2 << 20
+CHUNK_BYTES = 1 << 20  # small enough that the last chunks keep every worker busy to the end
 
 
 def _log(message: str) -> None:
@@ -106,27 +105,43 @@ def _open_binary(path: str):
 class _Chunk:
     path: str
     first_line: int
-    lines: list  # bytes, one JSON document each
+    data: bytes  # whole lines of the file (the last one without a newline at the end of a file)
+
+    def lines(self) -> Iterator[tuple[int, bytes, int]]:
+        """(line number, line, its size in the file) for each line that is not blank (blank lines
+        are not documents: json.loads refuses them too)."""
+        lines = self.data.split(b"\n")
+        ends_with_newline = not lines[-1]
+        if ends_with_newline:
+            lines.pop()
+        last = len(lines) - 1
+        for i, line in enumerate(lines):
+            if line and not line.isspace():
+                yield self.first_line + i, line, len(line) + (i < last or ends_with_newline)
 
 
 def read_chunks(files) -> Iterator[_Chunk]:
-    """Lines of all files in order, a bounded number at a time (never the whole corpus)."""
+    """All files in order, about CHUNK_BYTES of whole lines at a time (never the whole corpus).
+    The parent only cuts the bytes at newlines: the workers split, parse and encode the lines."""
     for path in files:
         try:
             with _open_binary(path) as f:
-                lines, size, first = [], 0, 1
-                for number, line in enumerate(f, start=1):
-                    if not line.strip():
-                        continue  # blank lines are not documents (json.loads refuses them too)
-                    if not lines:
-                        first = number
-                    lines.append((number, line))
-                    size += len(line)
-                    if len(lines) >= CHUNK_LINES or size >= CHUNK_BYTES:
-                        yield _Chunk(path, first, lines)
-                        lines, size = [], 0
-                if lines:
-                    yield _Chunk(path, first, lines)
+                number, pending = 1, []
+                while True:
+                    block = f.read(CHUNK_BYTES)
+                    if not block:
+                        if pending:
+                            yield _Chunk(path, number, b"".join(pending))
+                        break
+                    cut = block.rfind(b"\n") + 1
+                    if cut == 0:  # inside a line longer than a chunk: read on
+                        pending.append(block)
+                        continue
+                    pending.append(block[:cut] if cut < len(block) else block)
+                    data = b"".join(pending)
+                    yield _Chunk(path, number, data)
+                    number += data.count(b"\n")
+                    pending = [block[cut:]] if cut < len(block) else []
         except (OSError, EOFError, gzip.BadGzipFile) as exc:
             raise UserError(f"cannot read input file {path} ({exc}); check that it is intact") from None
 
@@ -135,7 +150,7 @@ def _iter_texts(files, keys) -> Iterator[str]:
     """Texts in input order, for training the sentence splitter (bad lines are skipped here;
     the real pass reports them)."""
     for chunk in read_chunks(files):
-        for _, line in chunk.lines:
+        for _, line, _ in chunk.lines():
             try:
                 doc = json.loads(line)
             except ValueError:
@@ -151,10 +166,10 @@ def _iter_texts(files, keys) -> Iterator[str]:
 
 
 class _Encoder:
-    def __init__(self, args, engine: str, punkt_params) -> None:
+    def __init__(self, args, tokenizer: GPT2BPETokenizer, punkt_params) -> None:
         self.keys = list(args.json_keys)
         self.append_eod = args.append_eod
-        self.tokenizer = GPT2BPETokenizer(args.vocab_file, args.merge_file, engine=engine, quiet=True)
+        self.tokenizer = tokenizer
         self.dtype = best_token_dtype(self.tokenizer.vocab_size)
         self.splitter = None
         if punkt_params is not None:
@@ -165,7 +180,7 @@ class _Encoder:
     def encode_chunk(self, chunk: _Chunk):
         """Per line: ("ok", {key: (tokens, sentence lengths)}, bytes) or ("bad", line number, why)."""
         out = []
-        for number, line in chunk.lines:
+        for number, line, nbytes in chunk.lines():
             try:
                 doc = json.loads(line)
             except ValueError as exc:  # JSONDecodeError and invalid UTF-8 alike
@@ -184,7 +199,7 @@ class _Encoder:
                     out.append(("error", number, encoded[key]))
                     break
             else:
-                out.append(("ok", encoded, len(line)))
+                out.append(("ok", encoded, nbytes))
         return chunk.path, out
 
     def _encode_text(self, value, number, key):
@@ -194,24 +209,32 @@ class _Encoder:
             sentences = self.splitter.tokenize(value) if self.splitter is not None else [value]
         else:
             return f"key {key!r} holds a {type(value).__name__}, not a string; the corpus must hold text"
-        ids, lengths = [], []
-        for sentence_ids in self.tokenizer.encode_batch(sentences):
-            if sentence_ids:
-                ids.extend(sentence_ids)
-                lengths.append(len(sentence_ids))
-        if ids and self.append_eod:
-            ids.append(self.tokenizer.eod)
+        # Sentences with no tokens are dropped; the EOD ends the last sentence of a document
+        # that has any token.
+        arrays = [a for a in map(self.tokenizer.encode_array, sentences) if a.size]
+        lengths = [a.size for a in arrays]
+        if arrays and self.append_eod:
+            arrays.append(np.array([self.tokenizer.eod], dtype=np.uint32))
             lengths[-1] += 1
-        return np.asarray(ids, dtype=self.dtype), lengths
+        ids = np.concatenate(arrays).astype(self.dtype, copy=False) if arrays else np.zeros(0, dtype=self.dtype)
+        return ids, lengths
 
 
 _worker_encoder: Optional[_Encoder] = None
 
 
-def _init_worker(args, engine, punkt_params) -> None:
+def _init_forked_worker(encoder: _Encoder) -> None:
+    """A forked worker shares the parent's tokenizer, already built and verified."""
     global _worker_encoder
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    _worker_encoder = _Encoder(args, engine, punkt_params)
+    _worker_encoder = encoder
+
+
+def _init_spawned_worker(args, engine, punkt_params) -> None:
+    global _worker_encoder
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    tokenizer = GPT2BPETokenizer(args.vocab_file, args.merge_file, engine=engine, quiet=True)
+    _worker_encoder = _Encoder(args, tokenizer, punkt_params)
 
 
 def _encode_in_worker(chunk):
@@ -290,12 +313,16 @@ def preprocess(args: argparse.Namespace) -> dict:
     pool = None
     try:
         chunks = read_chunks(files)
+        encoder = _Encoder(args, tokenizer, punkt_params)
         if args.workers == 1:
-            encoder = _Encoder(args, engine, punkt_params)
             results = map(encoder.encode_chunk, chunks)
         else:
-            ctx = multiprocessing.get_context("spawn" if sys.platform == "darwin" else "fork")
-            pool = ctx.Pool(args.workers, initializer=_init_worker, initargs=(args, engine, punkt_params))
+            if sys.platform != "darwin":
+                ctx = multiprocessing.get_context("fork")
+                pool = ctx.Pool(args.workers, initializer=_init_forked_worker, initargs=(encoder,))
+            else:
+                ctx = multiprocessing.get_context("spawn")
+                pool = ctx.Pool(args.workers, initializer=_init_spawned_worker, initargs=(args, engine, punkt_params))
             results = _ordered_bounded_map(pool, chunks, in_flight=4 * args.workers)
         for path, lines in results:
             for result in lines:

@@ -6,23 +6,29 @@ document is ordinary text (Megatron's GPT-2 BPE has no special-token splitting);
 `--append-eod` adds the EOD id.
 
 Two engines give those ids; one is chosen at construction and logged:
-- "tiktoken": tiktoken's Rust BPE with ranks built from merges.txt (several times faster). Ranking
-  merged tokens instead of merge pairs equals GPT-2's BPE for ordinary vocabularies, but not by
-  construction, so "auto" first checks it against the exact engine on probe texts (every vocab
-  entry on its own and with a leading space, plus mixed text) and uses it only if all agree.
+- "tiktoken": tiktoken's Rust BPE with ranks built from merges.txt (several times faster), fed
+  GPT-2's split through a lookahead-free pattern and a marker character (see _TiktokenEngine).
+  Ranking merged tokens instead of merge pairs equals GPT-2's BPE for ordinary vocabularies, but
+  not by construction, so "auto" first checks it against the exact engine on probe texts (every
+  vocab entry on its own and with a leading space, plus mixed text) and uses it only if all agree.
+  The verdict is cached per (vocab.json, merges.txt, engine revision, tiktoken version) under
+  $XDG_CACHE_HOME/megatron_core/tokenizer (~/.cache/...; MEGATRON_CORE_TOKENIZER_CACHE=0 turns it
+  off, any other value is the directory to use), so only the first run pays for the probe.
 - "hf": the Hugging Face `tokenizers` BPE, the same engine GPT2TokenizerFast runs.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import re
 import sys
+import zipfile
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -31,11 +37,9 @@ from megatron_core.errors import UserError
 EOD_TOKEN = "<|endoftext|>"
 # GPT-2's pre-tokenizer regex (the one Megatron's GPT2Tokenizer and HF's ByteLevel use).
 GPT2_SPLIT_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# The same without the lookahead (see _TiktokenEngine for how its pieces are made GPT-2's).
+LOOKAHEAD_FREE_SPLIT_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+"""
 ENGINES = ("auto", "tiktoken", "hf")
-# The same pattern for pure-ASCII text, where \p{L} is [A-Za-z], \p{N} is [0-9] and Unicode's
-# White_Space is [\t\n\v\f\r ]: the stdlib `re` splits with it faster than tiktoken does.
-_ASCII_SPLIT = re.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+""", re.ASCII)
-_PIECE_CACHE_LIMIT = 1 << 20
 
 _PROBE_TEXT = (
     "def f(x):\n    return x  # comment\n\n\n\tclass A(B):\n        pass\r\n"
@@ -85,30 +89,38 @@ def file_sha256(path) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-def _read_vocab(vocab_file) -> dict[str, int]:
+def _read_bytes(path, what: str, example: str) -> bytes:
     try:
-        with open(vocab_file, encoding="utf-8") as f:
-            vocab = json.load(f)
+        with open(path, "rb") as f:
+            return f.read()
     except FileNotFoundError:
-        raise UserError(f"vocab file {vocab_file} does not exist; give the vocab.json of the tokenizer") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{what} file {path} does not exist; give the {example} of the tokenizer") from None
+    except OSError as exc:
+        raise UserError(f"cannot read {what} file {path} ({exc}); it must be a GPT-2 {example}") from None
+
+
+def _parse_vocab(raw: bytes, vocab_file) -> dict[str, int]:
+    try:
+        vocab = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UserError(f"cannot read vocab file {vocab_file} ({exc}); it must be a GPT-2 vocab.json") from None
     if not isinstance(vocab, dict) or not all(isinstance(v, int) for v in vocab.values()):
         raise UserError(f"vocab file {vocab_file} is not a JSON object of token -> id; it must be a GPT-2 vocab.json")
     return vocab
 
 
-def _read_merges(merge_file) -> list[tuple[int, str, str]]:
+def _parse_merges(raw: bytes, merge_file) -> list[tuple[int, str, str]]:
     """(line number, left, right) for every merge line."""
     try:
-        with open(merge_file, encoding="utf-8") as f:
-            lines = f.read().split("\n")
-    except FileNotFoundError:
-        raise UserError(f"merges file {merge_file} does not exist; give the merges.txt of the tokenizer") from None
-    except (OSError, UnicodeDecodeError) as exc:
+        lines = raw.decode("utf-8").split("\n")
+    except UnicodeDecodeError as exc:
         raise UserError(f"cannot read merges file {merge_file} ({exc}); it must be a GPT-2 merges.txt") from None
     merges = []
     for number, line in enumerate(lines, start=1):
+        left, space, right = line.partition(" ")
+        if left and right and " " not in right and number > 1:
+            merges.append((number, left, right))  # the common case, checked cheaply
+            continue
         if (number == 1 and line.startswith("#version")) or not line.strip():
             continue
         parts = line.split(" ")
@@ -118,25 +130,39 @@ def _read_merges(merge_file) -> list[tuple[int, str, str]]:
     return merges
 
 
+def _read_vocab(vocab_file) -> dict[str, int]:
+    return _parse_vocab(_read_bytes(vocab_file, "vocab", "vocab.json"), vocab_file)
+
+
+def _read_merges(merge_file) -> list[tuple[int, str, str]]:
+    return _parse_merges(_read_bytes(merge_file, "merges", "merges.txt"), merge_file)
+
+
 def check_tokenizer_files(vocab_file, merge_file) -> None:
     """Refuse files that cannot be a GPT-2 BPE pair: every merge's parts and result must be in
     the vocab, every byte must be in the vocab, and `<|endoftext|>` must be present."""
-    vocab = _read_vocab(vocab_file)
-    merges = _read_merges(merge_file)
+    _check_tokenizer(_read_vocab(vocab_file), _read_merges(merge_file), vocab_file, merge_file)
+
+
+def _check_tokenizer(vocab: dict, merges: list, vocab_file, merge_file) -> None:
     u2b = _unicode_to_bytes()
-    bad_chars = [t for t in vocab if t != EOD_TOKEN and any(c not in u2b for c in t)]
-    if bad_chars:
+    stray = set("".join(t for t in vocab if t != EOD_TOKEN)).difference(u2b)
+    if stray:
+        bad = next(t for t in vocab if t != EOD_TOKEN and not stray.isdisjoint(t))
         raise UserError(
-            f"{vocab_file}: entry {bad_chars[0]!r} is not in GPT-2's byte-level alphabet; "
+            f"{vocab_file}: entry {bad!r} is not in GPT-2's byte-level alphabet; "
             "the files must be a byte-level BPE (GPT-2 format)"
         )
-    for number, left, right in merges:
-        for piece in (left, right, left + right):
-            if piece not in vocab:
-                raise UserError(
-                    f"{merge_file} line {number} ({left} {right}): {piece!r} is not in {vocab_file}; "
-                    "vocab.json and merges.txt do not belong together, use the pair written by one training"
-                )
+    _, lefts, rights = zip(*merges) if merges else ((), (), ())
+    tokens = vocab.keys()
+    if not (tokens >= set(lefts) and tokens >= set(rights) and tokens >= set(map(str.__add__, lefts, rights))):
+        for number, left, right in merges:
+            for piece in (left, right, left + right):
+                if piece not in vocab:
+                    raise UserError(
+                        f"{merge_file} line {number} ({left} {right}): {piece!r} is not in {vocab_file}; "
+                        "vocab.json and merges.txt do not belong together, use the pair written by one training"
+                    )
     missing_bytes = [c for c in bytes_to_unicode().values() if c not in vocab]
     if missing_bytes:
         raise UserError(
@@ -168,53 +194,160 @@ class _HFEngine:
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self._tokenizer.encode_batch(list(texts), add_special_tokens=False)]
 
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.asarray(self.encode(text), dtype=np.uint32)
+
 
 class _TiktokenEngine:
+    """tiktoken's Rust BPE on ranks built from merges.txt, splitting text as GPT-2 does.
+
+    GPT-2's split pattern ends in `\\s+(?!\\S)|\\s+`; that lookahead sends tiktoken to its slow
+    backtracking regex VM, which halves its speed. The pattern without it, `\\s+`, splits a text
+    differently only at a whitespace run W of two or more characters followed by a non-whitespace
+    character: GPT-2 makes W[:-1] one piece and lets W[-1] start the next one, the lookahead-free
+    pattern takes all of W. So the engine inserts a marker character Z between W[:-1] and W[-1]
+    (a control byte that is neither whitespace, letter nor number, that no merge of this vocab
+    contains and that the text does not hold), splits with the lookahead-free pattern, and drops
+    Z's id from the result. Z then is a piece of its own (" Z" when W[:-1] is one space, which BPE
+    leaves as [" ", Z]) and every other piece is GPT-2's. A text that holds Z, or a vocab that
+    merges every candidate, is encoded with GPT-2's pattern itself.
+    """
+
     name = "tiktoken"
 
     def __init__(self, vocab: dict, merges: list[tuple[int, str, str]]) -> None:
-        import tiktoken
-
-        # Rank = position in the merge list (bytes first); tiktoken's ranks are its ids, so keep
-        # a table from rank to our vocab id.
+        # tiktoken's ranks order its merges; when vocab ids grow with the merge order (true of
+        # GPT-2's files and of what `train_bpe_tokenizer` writes) the ids are the ranks, else a
+        # table maps rank -> id. The bytes' ranks are never compared, only returned.
+        results = [left + right for _, left, right in merges]
+        ids = [vocab[token] for token in results]
+        monotonic = all(map(int.__lt__, ids, ids[1:]))
         ranks: dict[bytes, int] = {}
         rank_to_id = []
         for b, char in bytes_to_unicode().items():
-            ranks[bytes([b])] = len(rank_to_id)
+            ranks[bytes((b,))] = vocab[char] if monotonic else len(rank_to_id)
             rank_to_id.append(vocab[char])
-        for _, left, right in merges:
-            merged = token_bytes(left + right)
+        # Every vocab character stands for one byte: translate all results at once, then cut.
+        blob = "".join(results).translate(_to_bytes_table()).encode("latin-1")
+        ends = list(itertools.accumulate(map(len, results)))
+        for start, end, merged_id, token in zip([0, *ends], ends, ids, results):
+            merged = blob[start:end]
             if merged in ranks:
                 # Two merges making one token cannot be expressed as token ranks.
-                raise _EngineUnfit(f"merge result {left + right!r} is made by two merges")
-            ranks[merged] = len(rank_to_id)
-            rank_to_id.append(vocab[left + right])
-        self._encoding = tiktoken.Encoding(
-            "megatron-gpt2-bpe", pat_str=GPT2_SPLIT_PATTERN, mergeable_ranks=ranks, special_tokens={}
-        )
-        self._rank_to_id = np.asarray(rank_to_id, dtype=np.int64)
-        self._rank_to_id_list = rank_to_id
-        # Code repeats its pieces (identifiers, indentation): BPE each distinct piece once.
-        self._piece_ids: dict[str, list[int]] = {}
-        # tiktoken's one-piece BPE (no re-split); without it, encoding the piece alone is the same.
-        self._bpe_piece = getattr(self._encoding, "_encode_single_piece", self._encoding.encode_ordinary)
+                raise _EngineUnfit(f"merge result {token!r} is made by two merges")
+            ranks[merged] = merged_id if monotonic else len(rank_to_id)
+            rank_to_id.append(merged_id)
+        if len(set(ranks.values())) != len(ranks):
+            raise _EngineUnfit("vocab.json gives one id to several tokens")
+        self._setup(ranks, None if monotonic else np.asarray(rank_to_id, dtype=np.uint32), _free_marker(results))
+
+    def _setup(self, ranks: dict[bytes, int], rank_to_id: Optional[np.ndarray], marker: Optional[str]) -> None:
+        import tiktoken
+
+        self._ranks, self._rank_to_id, self.marker = ranks, rank_to_id, marker
+        # One special token that is never allowed (a literal <|endoftext|> stays text): with none,
+        # tiktoken's encode path scans for an empty pattern at every position and is slower.
+        self._specials = {EOD_TOKEN: max(ranks.values()) + 1}
+        self._gpt2_encoding = None  # built when first needed
+        if marker is not None:
+            self._marker_rank = ranks[marker.encode()]
+            self._marker_byte = ord(marker)
+            self._marked = tiktoken.Encoding("megatron-gpt2-bpe-marked", pat_str=LOOKAHEAD_FREE_SPLIT_PATTERN,
+                                              mergeable_ranks=ranks, special_tokens=self._specials)
+
+    def save_tables(self, path: Path) -> None:
+        """The ranks, the rank -> id table and the marker, for `load_tables` (numpy .npz)."""
+        tokens = list(self._ranks)
+        with open(path, "wb") as f:
+            np.savez(
+                f,
+                blob=np.frombuffer(b"".join(tokens), dtype=np.uint8),
+                ends=np.fromiter(itertools.accumulate(map(len, tokens)), dtype=np.int64, count=len(tokens)),
+                ranks=np.fromiter(self._ranks.values(), dtype=np.int64, count=len(tokens)),
+                rank_to_id=self._rank_to_id if self._rank_to_id is not None else np.zeros(0, dtype=np.uint32),
+                marker=np.int64(-1 if self.marker is None else ord(self.marker)),
+            )
+
+    @classmethod
+    def load_tables(cls, path: Path) -> "_TiktokenEngine":
+        with np.load(path) as tables:
+            blob, ends = tables["blob"].tobytes(), tables["ends"].tolist()
+            ranks = dict(zip([blob[a:b] for a, b in zip([0, *ends], ends)], tables["ranks"].tolist()))
+            rank_to_id, marker = tables["rank_to_id"], int(tables["marker"])
+        engine = cls.__new__(cls)
+        engine._setup(ranks, rank_to_id if rank_to_id.size else None, None if marker < 0 else chr(marker))
+        return engine
+
+    @property
+    def _gpt2(self):
+        """tiktoken with GPT-2's own pattern: for texts that hold the marker, or no marker."""
+        if self._gpt2_encoding is None:
+            import tiktoken
+
+            self._gpt2_encoding = tiktoken.Encoding(
+                "megatron-gpt2-bpe", pat_str=GPT2_SPLIT_PATTERN, mergeable_ranks=self._ranks, special_tokens=self._specials
+            )
+        return self._gpt2_encoding
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """The ids of text as a uint32 array."""
+        z = self.marker
+        try:
+            if z is None or z in text:
+                ranks = self._gpt2.encode_to_numpy(text, disallowed_special=())
+            else:
+                marked = _mark_ascii(text, self._marker_byte) if text.isascii() else _MARK_AT.sub(z, text)
+                ranks = self._marked.encode_to_numpy(marked, disallowed_special=())
+                ranks = ranks[ranks != self._marker_rank]
+        except UnicodeEncodeError:
+            # Lone surrogates (JSON may hold them): encoded as U+FFFD, as tiktoken's encode does.
+            return self.encode_array(text.encode("utf-16", "surrogatepass").decode("utf-16", "replace"))
+        return ranks if self._rank_to_id is None else self._rank_to_id[ranks]
 
     def encode(self, text: str) -> list[int]:
-        if not text.isascii():
-            return self._rank_to_id[self._encoding.encode_ordinary(text)].tolist()
-        cache = self._piece_ids
-        if len(cache) > _PIECE_CACHE_LIMIT:
-            cache.clear()
-        out: list[int] = []
-        for piece in _ASCII_SPLIT.findall(text):
-            ids = cache.get(piece)
-            if ids is None:
-                ids = cache[piece] = [self._rank_to_id_list[r] for r in self._bpe_piece(piece)]
-            out += ids
-        return out
+        return self.encode_array(text).tolist()
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [self.encode(t) for t in texts]
+
+
+# Unicode White_Space, what \s means to tiktoken's Rust regex and to the HF tokenizers' (Python's
+# `\s` and str.isspace differ: they also take \x1c-\x1f).
+_WHITE_SPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+# Between the last two characters of a whitespace run that a non-whitespace character follows.
+_MARK_AT = re.compile(f"(?<=[{_WHITE_SPACE}])(?=[{_WHITE_SPACE}][^{_WHITE_SPACE}])")
+# Marker candidates: control bytes, not White_Space, not \p{L} nor \p{N}; one UTF-8 byte each.
+_MARKER_CANDIDATES = [chr(c) for c in (*range(0x00, 0x09), *range(0x0E, 0x20), 0x7F)]
+
+
+def _mark_ascii(text: str, marker: int) -> str:
+    """_MARK_AT.sub(chr(marker), text) for ASCII text, with numpy (several times faster)."""
+    chars = np.frombuffer(text.encode("ascii"), dtype=np.uint8)
+    space = (chars == 32) | ((chars - np.uint8(9)) < 5)  # [ \t\n\v\f\r]: wraps below 9
+    edge = space[:-2] & space[1:-1]
+    edge &= ~space[2:]
+    at = np.flatnonzero(edge)
+    if not at.size:
+        return text
+    at += np.arange(1, at.size + 1)  # the markers' places in the output
+    out = np.full(chars.size + at.size, marker, dtype=np.uint8)
+    keep = np.ones(out.size, dtype=bool)
+    keep[at] = False
+    out[keep] = chars
+    return out.tobytes().decode("ascii")
+
+
+def _free_marker(results: list[str]) -> Optional[str]:
+    """The first candidate marker whose byte no merge result contains (so BPE never joins it)."""
+    merged = set("".join(results))
+    b2u = bytes_to_unicode()
+    return next((c for c in _MARKER_CANDIDATES if b2u[ord(c)] not in merged), None)
+
+
+@lru_cache(maxsize=1)
+def _to_bytes_table() -> dict[int, int]:
+    """str.translate table from vocab.json's characters to the code points of their bytes."""
+    return {ord(c): b for b, c in bytes_to_unicode().items()}
 
 
 class _EngineUnfit(Exception):
@@ -235,6 +368,67 @@ def _probe_texts(vocab: dict) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------
+# The probe's verdict, cached
+# ----------------------------------------------------------------------------------------------
+
+# "0" (or off/no/false) turns the cache off; any other value is the directory to use instead of
+# $XDG_CACHE_HOME/megatron_core/tokenizer (~/.cache/megatron_core/tokenizer).
+TOKENIZER_CACHE_ENV = "MEGATRON_CORE_TOKENIZER_CACHE"
+# Part of the cache key: change it whenever _TiktokenEngine encodes differently, so that a verdict
+# about the old engine is never taken for the new one.
+_ENGINE_REVISION = "tiktoken-engine-2 (lookahead-free split with a marker)"
+
+
+def tokenizer_cache_dir() -> Optional[Path]:
+    setting = os.environ.get(TOKENIZER_CACHE_ENV, "")
+    if setting.lower() in ("0", "off", "no", "false"):
+        return None
+    if setting:
+        return Path(setting)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "megatron_core" / "tokenizer"
+
+
+def _verdict_path(files_sha256: str) -> Optional[Path]:
+    """Where the verdict for these files, this engine and this tiktoken lives (None: no cache)."""
+    import tiktoken
+
+    directory = tokenizer_cache_dir()
+    if directory is None:
+        return None
+    key = hashlib.sha256(f"{files_sha256}\0{_ENGINE_REVISION}\0tiktoken {tiktoken.__version__}".encode()).hexdigest()
+    return directory / f"verdict-{key[:32]}.json"
+
+
+def _read_verdict(path: Optional[Path]) -> Optional[dict]:
+    if path is None:
+        return None
+    try:
+        verdict = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # absent or damaged: probe again
+    if not (isinstance(verdict, dict) and isinstance(verdict.get("equal"), bool) and isinstance(verdict.get("why"), str)):
+        return None
+    return verdict
+
+
+def _write_cache(path: Optional[Path], write) -> None:
+    """write(temporary path), then rename it to path: readers see a whole file or none."""
+    if path is None:
+        return
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError:  # a read-only or full cache only costs the probe next time
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
+# ----------------------------------------------------------------------------------------------
 # The tokenizer
 # ----------------------------------------------------------------------------------------------
 
@@ -245,17 +439,35 @@ class GPT2BPETokenizer:
     def __init__(self, vocab_file, merge_file, engine: str = "auto", quiet: bool = False) -> None:
         if engine not in ENGINES:
             raise UserError(f"unknown tokenizer engine {engine!r}; use one of {', '.join(ENGINES)}")
-        check_tokenizer_files(vocab_file, merge_file)
+        vocab_raw = _read_bytes(vocab_file, "vocab", "vocab.json")
+        merges_raw = _read_bytes(merge_file, "merges", "merges.txt")
+        self.vocab: dict[str, int] = _parse_vocab(vocab_raw, vocab_file)
         self.vocab_file, self.merge_file = os.fspath(vocab_file), os.fspath(merge_file)
-        self.vocab: dict[str, int] = _read_vocab(vocab_file)
-        merges = _read_merges(merge_file)
-        self._inverse = {i: t for t, i in self.vocab.items()}
+        self._inverse: Optional[dict[int, str]] = None  # built by the first decode
+        files_sha256 = hashlib.sha256(b"vocab.json\0%s\0merges.txt\0%s" % (vocab_raw, merges_raw)).hexdigest()
+        self.engine, why = self._cached_engine(engine, files_sha256)
+        if self.engine is None:  # no verdict cached yet: read, check and probe
+            merges = _parse_merges(merges_raw, merge_file)
+            _check_tokenizer(self.vocab, merges, vocab_file, merge_file)
+            self.engine, why = self._choose_engine(engine, merges, files_sha256)
         self.eod: int = self.vocab[EOD_TOKEN]
-        self.engine, why = self._choose_engine(engine, merges)
         if not quiet:
             _log(f"GPT2BPETokenizer: vocab {self.vocab_size}, engine {self.engine.name} ({why})")
 
-    def _choose_engine(self, requested: str, merges):
+    @staticmethod
+    def _cached_engine(requested: str, files_sha256: str):
+        """The tiktoken engine from the cache, when a verdict says it equals the exact BPE on
+        these very files (which were checked before that verdict was written)."""
+        cache = _verdict_path(files_sha256) if requested == "auto" else None
+        verdict = _read_verdict(cache)
+        if verdict is None or not verdict["equal"]:
+            return None, None
+        try:
+            return _TiktokenEngine.load_tables(cache.with_suffix(".npz")), f"{verdict['why']} (cached in {cache})"
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile):
+            return None, None  # tables absent or damaged: build them again
+
+    def _choose_engine(self, requested: str, merges, files_sha256: str):
         if requested == "hf":
             return _HFEngine(self.vocab, merges), "requested"
         try:
@@ -266,12 +478,25 @@ class GPT2BPETokenizer:
             return _HFEngine(self.vocab, merges), f"tiktoken unfit: {exc}"
         if requested == "tiktoken":
             return fast, "requested"
-        exact = _HFEngine(self.vocab, merges)
+        cache = _verdict_path(files_sha256)
+        verdict = _read_verdict(cache)
+        if verdict is None or verdict["equal"]:  # (equal: the tables were missing)
+            verdict = self._probe(fast, _HFEngine(self.vocab, merges)) if verdict is None else verdict
+            if verdict["equal"] and cache is not None:
+                _write_cache(cache.with_suffix(".npz"), fast.save_tables)
+            _write_cache(cache, lambda path: path.write_text(json.dumps(verdict), encoding="utf-8"))
+        else:
+            verdict["why"] += f" (cached in {cache})"
+        if verdict["equal"]:
+            return fast, verdict["why"]
+        return _HFEngine(self.vocab, merges), verdict["why"]
+
+    def _probe(self, fast: "_TiktokenEngine", exact: _HFEngine) -> dict:
         probes = _probe_texts(self.vocab)
         for text, expected in zip(probes, exact.encode_batch(probes)):
             if fast.encode(text) != expected:
-                return exact, f"tiktoken differs on probe {text[:40]!r}"
-        return fast, f"verified equal to the exact BPE on {len(probes)} probe texts"
+                return {"equal": False, "why": f"tiktoken differs on probe {text[:40]!r}"}
+        return {"equal": True, "why": f"verified equal to the exact BPE on {len(probes)} probe texts"}
 
     @property
     def vocab_size(self) -> int:
@@ -283,7 +508,13 @@ class GPT2BPETokenizer:
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return self.engine.encode_batch(texts)
 
+    def encode_array(self, text: str) -> np.ndarray:
+        """encode(text) as a uint32 numpy array (cheaper than the list for long texts)."""
+        return self.engine.encode_array(text)
+
     def decode(self, ids: Iterable[int]) -> str:
+        if self._inverse is None:
+            self._inverse = {i: t for t, i in self.vocab.items()}
         raw = b"".join(token_bytes(self._inverse[int(i)]) if int(i) != self.eod else EOD_TOKEN.encode() for i in ids)
         return raw.decode("utf-8", errors="replace")
 
