@@ -267,16 +267,25 @@ def test_tp2_pp2_resumes_a_tp1_checkpoint(four_rank, tp1):
     assert_continues(four_rank["reverse"], tp1, "TP2xPP2 from TP1")
 
 
-def sp_work(root: str):
+TWO_RANK_RESUMES = {"sp": TP2_SP, "vpp": PP2_VPP2}
+
+
+def resume_tp1_at_6_work(root: str, name: str):
     torch.set_num_threads(1)
     root = Path(root)
-    return run(TP2_SP, root / "sp", load=root / "tp1-ckpt-at-6", save=root / "sp-ckpt", save_interval=3)
+    return run(TWO_RANK_RESUMES[name], root / name, load=root / "tp1-ckpt-at-6", save=root / f"{name}-ckpt",
+               save_interval=3)
+
+
+def two_rank_resume(root: Path, name: str) -> dict:
+    """The two-rank layout `name` resuming the TP 1 checkpoint at 6; it saves at 9 under {name}-ckpt."""
+    return next(r for r in run_distributed(resume_tp1_at_6_work, 2, str(root), name, timeout=300) if r is not None)
 
 
 @pytest.fixture(scope="module")
 def sp(root, tp1) -> dict:
-    """TP 2 with sequence parallelism resuming the TP 1 checkpoint at 6; it saves at 9."""
-    return next(r for r in run_distributed(sp_work, 2, str(root), timeout=300) if r is not None)
+    """TP 2 with sequence parallelism."""
+    return two_rank_resume(root, "sp")
 
 
 def test_tp2_sequence_parallel_resumes_a_tp1_checkpoint(tp1, sp):
@@ -289,16 +298,10 @@ def test_tp1_resumes_a_tp2_sequence_parallel_checkpoint(root, tp1, sp):
     assert_continues(losses, tp1, "TP1 from TP2 SP", after=9)
 
 
-def vpp_work(root: str):
-    torch.set_num_threads(1)
-    root = Path(root)
-    return run(PP2_VPP2, root / "vpp", load=root / "tp1-ckpt-at-6", save=root / "vpp-ckpt", save_interval=3)
-
-
 @pytest.fixture(scope="module")
 def vpp(root, tp1) -> dict:
-    """PP 2 with 2 virtual chunks per rank (model0, model1) resuming the TP 1 checkpoint at 6; it saves at 9."""
-    return next(r for r in run_distributed(vpp_work, 2, str(root), timeout=300) if r is not None)
+    """PP 2 with 2 virtual chunks per rank (model0, model1)."""
+    return two_rank_resume(root, "vpp")
 
 
 def test_pp2_vpp2_resumes_a_tp1_checkpoint_chunk_by_chunk(root, tp1, vpp):
