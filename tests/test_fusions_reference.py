@@ -62,6 +62,14 @@ def test_bias_gelu_on_a_cpu_is_the_tanh_formula_forward_and_backward(dtype):
                                         (x[:3, :5].detach().requires_grad_(), bias[:5].detach().requires_grad_()))
 
 
+def test_bias_gelu_on_a_cpu_keeps_f_gelu_for_16_bit_inputs():
+    """bf16 keeps F.gelu (fp32 inside, one rounding): the in-place sigmoid passes would round each step."""
+    x, bias = torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True), torch.randn(8, dtype=torch.bfloat16)
+    out = bias_gelu(x, bias, backend="torch")
+    assert "BiasGeluSigmoid" not in type(out.grad_fn).__name__
+    torch.testing.assert_close(out, F.gelu(x + bias, approximate="tanh"), rtol=0, atol=0)
+
+
 def test_causal_softmax_reference_is_megatron_masked_softmax():
     scores = torch.randn(2, 3, 33, 33)
     keep = torch.tril(torch.ones(33, 33, dtype=torch.bool))

@@ -185,6 +185,14 @@ def test_vocab_and_merges_that_disagree(tmp_path, capsys):
     _assert_fails_cleanly(tmp_path, capsys, _cli(tmp_path, [path], vocab=str(bad)), r"merges\.txt line \d+ .*do not belong together")
 
 
+def test_a_lone_surrogate_is_refused_with_its_line(tmp_path, capsys):
+    """JSON can escape half a surrogate pair ("\\ud800"); that is no text to tokenize (Megatron-LM
+    crashes on it): one line names the file's line, nothing is written. A whole pair is an emoji."""
+    path = _corpus(tmp_path, [json.dumps({"content": "ok \U0001F600"}), '{"content": "a\\ud800b"}'])
+    _assert_fails_cleanly(tmp_path, capsys, _cli(tmp_path, [path], "--workers", "2"),
+                          r"line 2: key 'content' holds a lone surrogate \(U\+D800 at character 1\)")
+
+
 def test_failure_after_output_started_leaves_nothing(tmp_path, capsys):
     # Thousands of good documents are written before the bad one is met.
     path = _corpus(tmp_path, GOOD * 10 + [json.dumps({"content": None})])

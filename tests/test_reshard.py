@@ -50,12 +50,14 @@ PRECISIONS = {"fp32": {}, "bf16": {"bf16": True},
               "fp16": {"fp16": True, "initial_loss_scale": 1024.0, "loss_scale_window": 4}}
 
 
-def named(name: str, precision: str) -> str:
-    """The directory name of a run or checkpoint of `precision` (fp32 keeps the plain name)."""
-    return name if precision == "fp32" else f"{name}-{precision}"
 DP2_DISTOPT = proof.Layout("DP2 distributed optimizer", dp=2, distributed_optimizer=True)
 PP2_DP2 = proof.Layout("PP2xDP2", pp=2, dp=2)
 PP2_VPP2 = proof.Layout("PP2 VPP2", pp=2, vpp_layers=1)
+
+
+def named(name: str, precision: str) -> str:
+    """The directory name of a run or checkpoint of `precision` (fp32 keeps the plain name)."""
+    return name if precision == "fp32" else f"{name}-{precision}"
 
 
 def recipe(layout: proof.Layout, **training):
@@ -341,11 +343,15 @@ def test_missing_distributed_optimizer_files_are_named(root, dp2, tmp_path):
     assert not (tmp_path / "save").exists()
 
 
-def test_an_earlier_versions_distrib_optim_file_that_lacks_a_parameter_is_named(root, dp2, tmp_path):
+@pytest.mark.parametrize("damage", ["parameter missing", "moment missing"])
+def test_an_earlier_versions_distrib_optim_file_that_lacks_a_parameter_is_named(root, dp2, tmp_path, damage):
     load = as_earlier_versions_wrote_it(checkpoint_at(root / "dp2-ckpt", 9), tmp_path / "earlier")
     gathered = load / "iter_0000009" / "mp_rank_00" / "distrib_optim.pt"
     state = ckpt.load_checkpoint_file(gathered)
-    del state["param_state"]["encoder.final_layernorm.weight"]
+    if damage == "parameter missing":
+        del state["param_state"]["encoder.final_layernorm.weight"]
+    else:
+        del state["param_state"]["encoder.final_layernorm.weight"]["exp_avg"]
     torch.save(state, gathered)
     with pytest.raises(ckpt.CheckpointError, match=r"distrib_optim.pt lacks the whole state of "
                                                    r"\['encoder.final_layernorm.weight'\] \(1 parameter"):

@@ -54,10 +54,12 @@ def test_ids_equal_gpt2_tokenizer_fast(engine):
     assert ours.encode_batch(texts[:20]) == [theirs.encode(t) for t in texts[:20]]
 
 
-def test_auto_engine_verifies_tiktoken_and_logs(capsys):
+def test_auto_engine_verifies_tiktoken_and_logs(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGATRON_CORE_TOKENIZER_CACHE", str(tmp_path))  # empty: the probe must run here
     tok = GPT2BPETokenizer(FIXTURE / "vocab.json", FIXTURE / "merges.txt")
     assert tok.engine.name == "tiktoken"
-    assert "engine tiktoken (verified" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "engine tiktoken (verified equal to the exact BPE on" in err and "cached in" not in err
     assert tok.eod == 0 and tok.vocab_size == 955 and tok.vocab[EOD_TOKEN] == 0
 
 
@@ -279,16 +281,25 @@ def test_probe_verdict_is_cached_per_files_and_can_be_turned_off(tmp_path, monke
     other_vocab, other_merges = _write_bpe(tmp_path / "other", _merges_making(["ab", "abc"]))
     GPT2BPETokenizer(other_vocab, other_merges)
     assert len(probes) == 2 and len(list((tmp_path / "cache").iterdir())) == 4
-    for damaged in (b"PK not a zip", tables.read_bytes()[:200]):
+    other_tables = next(p for p in (tmp_path / "cache").glob("*.npz") if p != tables).read_bytes()
+    # Truncated, empty (a crash before the rename was fsynced), not a zip, or whole but another
+    # vocab's tables (they do not map this vocab's tokens to its ids): all built again, no probe.
+    for damaged in (b"PK not a zip", tables.read_bytes()[:200], b"", other_tables):
         tables.write_bytes(damaged)
         assert GPT2BPETokenizer(vocab, merges).encode("ab  ab") == built.encode("ab  ab") and len(probes) == 2
     cached.write_text("{not json", encoding="utf-8")
     GPT2BPETokenizer(vocab, merges)
     assert len(probes) == 3
+    cached.chmod(0o666)  # a verdict someone else could have written is not trusted: probe again
+    GPT2BPETokenizer(vocab, merges)
+    assert len(probes) == 4
+    cached.chmod(0o644)
+    GPT2BPETokenizer(vocab, merges)
+    assert len(probes) == 4
     monkeypatch.setenv("MEGATRON_CORE_TOKENIZER_CACHE", "0")
     GPT2BPETokenizer(vocab, merges)
     GPT2BPETokenizer(vocab, merges)
-    assert len(probes) == 5
+    assert len(probes) == 6
 
 
 def test_cached_negative_verdict_keeps_the_exact_engine(tmp_path, monkeypatch, capsys):

@@ -209,6 +209,13 @@ class _Encoder:
             sentences = self.splitter.tokenize(value) if self.splitter is not None else [value]
         else:
             return f"key {key!r} holds a {type(value).__name__}, not a string; the corpus must hold text"
+        for sentence in sentences:
+            if not sentence.isascii():
+                try:
+                    sentence.encode("utf-8")
+                except UnicodeEncodeError as exc:  # json.loads lets "\ud800" through; it is not text
+                    return (f"key {key!r} holds a lone surrogate (U+{ord(sentence[exc.start]):04X} at character "
+                            f"{exc.start}), which is not Unicode text; fix its JSON escape (they come in pairs)")
         # Sentences with no tokens are dropped; the EOD ends the last sentence of a document
         # that has any token.
         arrays = [a for a in map(self.tokenizer.encode_array, sentences) if a.size]

@@ -20,12 +20,12 @@ Two engines give those ids; one is chosen at construction and logged:
 from __future__ import annotations
 
 import hashlib
+import inspect
 import itertools
 import json
 import os
 import re
 import sys
-import zipfile
 from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
@@ -278,6 +278,17 @@ class _TiktokenEngine:
         engine._setup(ranks, rank_to_id if rank_to_id.size else None, None if marker < 0 else chr(marker))
         return engine
 
+    def maps_to(self, vocab: dict) -> bool:
+        """Every token's bytes give its id in `vocab` (a check of cached tables against the files)."""
+        to_unicode = {b: c for b, c in bytes_to_unicode().items()}  # str.translate: C speed per token
+        for token, rank in self._ranks.items():
+            want = vocab.get(token.decode("latin-1").translate(to_unicode))
+            got = rank if self._rank_to_id is None else (int(self._rank_to_id[rank]) if rank < len(self._rank_to_id)
+                                                         else None)
+            if want is None or got != want:
+                return False
+        return True
+
     @property
     def _gpt2(self):
         """tiktoken with GPT-2's own pattern: for texts that hold the marker, or no marker."""
@@ -396,12 +407,28 @@ def _verdict_path(files_sha256: str) -> Optional[Path]:
     directory = tokenizer_cache_dir()
     if directory is None:
         return None
-    key = hashlib.sha256(f"{files_sha256}\0{_ENGINE_REVISION}\0tiktoken {tiktoken.__version__}".encode()).hexdigest()
+    import tokenizers
+
+    # Everything the verdict depends on: the files, our engine, tiktoken, the exact BPE it was
+    # compared with (HF tokenizers) and the probe itself.
+    probe = hashlib.sha256(f"{_PROBE_TEXT}\0{inspect.getsource(_probe_texts)}".encode()).hexdigest()
+    key = hashlib.sha256(f"{files_sha256}\0{_ENGINE_REVISION}\0tiktoken {tiktoken.__version__}\0tokenizers "
+                         f"{tokenizers.__version__}\0probe {probe}".encode()).hexdigest()
     return directory / f"verdict-{key[:32]}.json"
 
 
+def _trusted(path: Path) -> bool:
+    """A cache file this user wrote and nobody else can change (a shared, writable cache directory
+    must not let another user plant a verdict or tables)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    return (not hasattr(os, "getuid") or st.st_uid == os.getuid()) and not st.st_mode & 0o022
+
+
 def _read_verdict(path: Optional[Path]) -> Optional[dict]:
-    if path is None:
+    if path is None or not _trusted(path):
         return None
     try:
         verdict = json.loads(path.read_text(encoding="utf-8"))
@@ -412,20 +439,34 @@ def _read_verdict(path: Optional[Path]) -> Optional[dict]:
     return verdict
 
 
-def _write_cache(path: Optional[Path], write) -> None:
-    """write(temporary path), then rename it to path: readers see a whole file or none."""
-    if path is None:
-        return
+def _replace_atomically(path: Path, write) -> None:
+    """write(temporary path), fsync it, then rename it to path: readers (and a machine that
+    crashed) see the whole file or the old one, never a torn one."""
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         write(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
-    except OSError:  # a read-only or full cache only costs the probe next time
+    except BaseException:
         try:
             tmp.unlink(missing_ok=True)
         except OSError:
             pass
+        raise
+
+
+def _write_cache(path: Optional[Path], write) -> None:
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _replace_atomically(path, write)
+    except OSError:  # a read-only or full cache only costs the probe next time
+        pass
 
 
 # ----------------------------------------------------------------------------------------------
@@ -445,7 +486,7 @@ class GPT2BPETokenizer:
         self.vocab_file, self.merge_file = os.fspath(vocab_file), os.fspath(merge_file)
         self._inverse: Optional[dict[int, str]] = None  # built by the first decode
         files_sha256 = hashlib.sha256(b"vocab.json\0%s\0merges.txt\0%s" % (vocab_raw, merges_raw)).hexdigest()
-        self.engine, why = self._cached_engine(engine, files_sha256)
+        self.engine, why = self._cached_engine(engine, files_sha256, self.vocab)
         if self.engine is None:  # no verdict cached yet: read, check and probe
             merges = _parse_merges(merges_raw, merge_file)
             _check_tokenizer(self.vocab, merges, vocab_file, merge_file)
@@ -455,17 +496,21 @@ class GPT2BPETokenizer:
             _log(f"GPT2BPETokenizer: vocab {self.vocab_size}, engine {self.engine.name} ({why})")
 
     @staticmethod
-    def _cached_engine(requested: str, files_sha256: str):
+    def _cached_engine(requested: str, files_sha256: str, self_vocab: dict):
         """The tiktoken engine from the cache, when a verdict says it equals the exact BPE on
         these very files (which were checked before that verdict was written)."""
         cache = _verdict_path(files_sha256) if requested == "auto" else None
         verdict = _read_verdict(cache)
         if verdict is None or not verdict["equal"]:
             return None, None
+        tables = cache.with_suffix(".npz")
         try:
-            return _TiktokenEngine.load_tables(cache.with_suffix(".npz")), f"{verdict['why']} (cached in {cache})"
-        except (OSError, ValueError, KeyError, zipfile.BadZipFile):
-            return None, None  # tables absent or damaged: build them again
+            engine = _TiktokenEngine.load_tables(tables) if _trusted(tables) else None
+        except Exception:  # noqa: BLE001 - absent, truncated or damaged in any way: build them again
+            return None, None
+        if engine is None or not engine.maps_to(self_vocab):
+            return None, None
+        return engine, f"{verdict['why']} (cached in {cache})"
 
     def _choose_engine(self, requested: str, merges, files_sha256: str):
         if requested == "hf":
@@ -564,6 +609,4 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, out_dir, min_freq
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    _replace_atomically(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))

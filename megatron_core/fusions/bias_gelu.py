@@ -6,6 +6,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from megatron_core.errors import UserError
 from megatron_core.fusions.backends import choose_backend
@@ -34,6 +35,7 @@ class _BiasGeluSigmoid(torch.autograd.Function):
         return z.mul_(_C3).add_(_C1).mul_(h).sigmoid_().mul_(h)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         (h,) = ctx.saved_tensors
         # d/dh [h s] = s + h s (1 - s) dw, with w = h (C1 + C3 h^2), s = sigmoid(w), dw = C1 + 3 C3 h^2:
@@ -59,6 +61,8 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor, backend: str = "auto") -> tor
         from megatron_core.fusions.triton_kernels.bias_gelu import bias_gelu as triton_bias_gelu
 
         return triton_bias_gelu(x, bias)
-    if x.device.type == "cpu" and x.dtype == bias.dtype:
+    if x.device.type == "cpu" and x.dtype == bias.dtype and x.dtype in (torch.float32, torch.float64):
+        # (16-bit inputs keep F.gelu, which computes in fp32 and rounds once; these in-place passes
+        # would round at every step: 4x the bf16 gradient error.)
         return _BiasGeluSigmoid.apply(x, bias)
     return bias_gelu_reference(x, bias)

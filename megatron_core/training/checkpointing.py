@@ -27,12 +27,12 @@ import torch.distributed as dist
 from megatron_core import parallel_state
 from megatron_core.checkpoint_format import (  # noqa: F401 - re-exported: the names training callers use
     CHECKPOINT_VERSION,
+    LEGACY_DISTRIB_OPTIM_FILENAME,
     MODEL_FILENAME,
     OPTIM_STATE_KEYS,
     RECIPE_FILENAME,
     RELEASE,
     TRACKER_FILENAME,
-    LEGACY_DISTRIB_OPTIM_FILENAME,
     CheckpointError,
     atomic_write_text,
     check_rank_files,
@@ -378,8 +378,11 @@ def _legacy_gathered_state(path: Path, model: dict) -> dict:
     saved = load_checkpoint_file(path).get("param_state")
     if not isinstance(saved, dict):
         raise CheckpointError(f"{path} holds no param_state; it is not a distributed optimizer file of this project")
-    wrong = [n for n in model if n not in saved or any(saved[n][k].numel() != model[n].numel()
-                                                        for k in OPTIM_STATE_KEYS)]
+    def whole(entry, numel: int) -> bool:
+        return (isinstance(entry, dict) and all(isinstance(entry.get(k), torch.Tensor) for k in OPTIM_STATE_KEYS)
+                and all(entry[k].numel() == numel for k in OPTIM_STATE_KEYS))
+
+    wrong = [n for n in model if not whole(saved.get(n), model[n].numel())]
     if wrong:
         raise CheckpointError(f"{path} lacks the whole state of {wrong[:3]} ({len(wrong)} parameter(s)); it does not "
                               "belong to the model file beside it: copy one checkpoint's folder")
