@@ -118,6 +118,9 @@ def run(
         "vocab_size": tokenizer.vocab_size,
         "tokenizer_marker": tokenizer.engine.marker if tokenizer.engine.name == "tiktoken" else None,
         "tokenizer_reused": reused,
+        # The whole command's start-up: with the tokenizer's verdict cached (any run after the first
+        # on these files) or paying the check against the exact BPE (the first, ~2 s at 32768).
+        "tokenizer_verdict_cached": "(cached in " in proc.stderr,
         "corpus_documents": corpus_summary["documents"],
         "input_mb": round(summary["input_bytes"] / 1e6, 3),
         "documents": summary["documents"],

@@ -20,7 +20,6 @@ Two engines give those ids; one is chosen at construction and logged:
 from __future__ import annotations
 
 import hashlib
-import inspect
 import itertools
 import json
 import os
@@ -365,6 +364,10 @@ class _EngineUnfit(Exception):
     pass
 
 
+# Bump when _probe_texts changes: cached verdicts of the old probe are then not trusted.
+_PROBE_REVISION = "probe-1: each token alone, after a space and doubled; the mixed passage"
+
+
 def _probe_texts(vocab: dict) -> list[str]:
     """Texts that put every vocab entry where the BPE must rebuild it: alone, after a space,
     and a mixed passage."""
@@ -407,13 +410,10 @@ def _verdict_path(files_sha256: str) -> Optional[Path]:
     directory = tokenizer_cache_dir()
     if directory is None:
         return None
-    import tokenizers
-
     # Everything the verdict depends on: the files, our engine, tiktoken, the exact BPE it was
     # compared with (HF tokenizers) and the probe itself.
-    probe = hashlib.sha256(f"{_PROBE_TEXT}\0{inspect.getsource(_probe_texts)}".encode()).hexdigest()
     key = hashlib.sha256(f"{files_sha256}\0{_ENGINE_REVISION}\0tiktoken {tiktoken.__version__}\0tokenizers "
-                         f"{tokenizers.__version__}\0probe {probe}".encode()).hexdigest()
+                         f"{_hf_tokenizers_version()}\0{_PROBE_REVISION}\0{_PROBE_TEXT}".encode()).hexdigest()
     return directory / f"verdict-{key[:32]}.json"
 
 
@@ -425,6 +425,20 @@ def _trusted(path: Path) -> bool:
     except OSError:
         return False
     return (not hasattr(os, "getuid") or st.st_uid == os.getuid()) and not st.st_mode & 0o022
+
+
+@lru_cache(maxsize=1)
+def _hf_tokenizers_version() -> str:
+    """HF tokenizers' installed version without importing it or importlib.metadata (either costs a
+    cached start 20-50 ms): the name of its .dist-info beside the package."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("tokenizers")
+    if spec is None or not spec.origin:
+        return "absent"
+    package = Path(spec.origin).parent
+    found = sorted(d.name for d in package.parent.glob("tokenizers-*.dist-info"))
+    return found[-1] if found else f"unknown, {package.stat().st_mtime_ns}"
 
 
 def _read_verdict(path: Optional[Path]) -> Optional[dict]:
