@@ -6,7 +6,7 @@
 Ours is the real training step (megatron_core.pretrain_gpt builds the model and optimizer, the Trainer runs
 the forward/backward schedule and the Megatron optimizer step). The baseline, with `--baseline hf`,
 is `transformers.GPT2LMHeadModel` (SDPA attention) + `torch.optim.AdamW` (fused on CUDA, foreach on
-a CPU) with the same model size, starting weights (ours, converted), data, micro batches, gradient
+a CPU, as a user of transformers would write it; ours runs torch's fused AdamW on a CPU too) with the same model size, starting weights (ours, converted), data, micro batches, gradient
 accumulation, precision (bf16/fp16: 16-bit weights and fp32 master copies on both sides), weight-decay groups, Adam settings, LR schedule and
 clipping. Before timing, one step of each from the same weights must give the same loss when dropout
 is off, and in fp32 the next steps must stay close (otherwise the two would not be doing the same

@@ -154,10 +154,28 @@ def test_state_dict_round_trip_gives_identical_next_step():
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
 
 
-def test_cpu_optimizer_choice_is_foreach_adamw():
-    opt = _opt(TwoLayer(), "fp32")
-    assert isinstance(opt.optimizer, torch.optim.AdamW) and opt.optimizer.defaults["foreach"]
-    assert "foreach=True" in opt.description
+def test_cpu_optimizer_choice_is_fused_adamw_stepping_like_the_reference():
+    """torch's fused AdamW on a CPU too (one kernel over all tensors, no per-tensor loop), and it
+    steps as the plain for-loop AdamW does (to fp32 rounding)."""
+    torch.manual_seed(0)
+    model = TwoLayer()
+    reference = copy.deepcopy(model)
+    opt = _opt(model, "fp32", clip=0.0)
+    assert isinstance(opt.optimizer, torch.optim.AdamW) and opt.optimizer.defaults["fused"]
+    assert "fused=True" in opt.description
+    plain = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0, foreach=False)
+    x = torch.randn(8, 4)
+    start = [p.detach().clone() for p in model.parameters()]
+    for _ in range(3):
+        opt.zero_grad()
+        model(x).backward()
+        assert opt.step()[0]
+        plain.zero_grad()
+        reference(x).backward()
+        plain.step()
+    for p, q, p0 in zip(model.parameters(), reference.parameters(), start):
+        assert not torch.equal(p, p0)  # the steps moved it
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
 
 # -- FLOPs and MFU ---------------------------------------------------------------------------------

@@ -59,14 +59,13 @@ class AdamSettings:
 
 def build_adam(groups: list[dict], settings: AdamSettings, device: torch.device, fused_adam_cls=None):
     """(inner optimizer, description). Apex FusedAdam (decoupled wd) when given and on CUDA, else
-    torch AdamW fused on CUDA, foreach on CPU."""
+    torch AdamW fused (one kernel over all tensors) on CUDA and on a CPU too: on a CPU, 88M fp32
+    params take ~60 ms a step fused against 150-430 ms with foreach."""
     kwargs = dict(lr=settings.lr, betas=(settings.beta1, settings.beta2), eps=settings.eps,
                   weight_decay=settings.weight_decay)
     if device.type == "cuda" and fused_adam_cls is not None:
         return fused_adam_cls(groups, adam_w_mode=True, **kwargs), "apex.optimizers.FusedAdam (adam_w_mode)"
-    if device.type == "cuda":
-        return torch.optim.AdamW(groups, fused=True, **kwargs), "torch.optim.AdamW(fused=True)"
-    return torch.optim.AdamW(groups, foreach=True, **kwargs), "torch.optim.AdamW(foreach=True)"
+    return torch.optim.AdamW(groups, fused=True, **kwargs), "torch.optim.AdamW(fused=True)"
 
 
 def step_tensor(optimizer: torch.optim.Optimizer, param: torch.Tensor, step: float) -> torch.Tensor:
