@@ -44,15 +44,12 @@ def check_tokens(corpus: Path, prefix: Path, tokenizer: GPT2BPETokenizer) -> dic
     lookahead one): what the engine's marker must reproduce, document by document."""
     if tokenizer.engine.name != "tiktoken":
         return {"documents_checked": 0, "documents_differing": 0, "skipped": f"engine {tokenizer.engine.name}"}
-    reference = tokenizer.engine._gpt2  # the engine's fallback encoding, built on first use
-    to_id = tokenizer.engine._rank_to_id
     dataset = IndexedDataset(prefix)
     docs = dataset.document_indices
     differing = 0
     with open(corpus, encoding="utf-8") as f:
         for number, line in enumerate(f):
-            expected = reference.encode_to_numpy(json.loads(line)["content"], disallowed_special=())
-            expected = expected if to_id is None else to_id[expected]
+            expected = tokenizer.engine.encode_gpt2_pattern(json.loads(line)["content"])
             got = [dataset[i] for i in range(docs[number], docs[number + 1])]
             got = np.concatenate(got)[:-1] if got else np.zeros(0, dtype=np.uint32)  # without the EOD
             differing += not np.array_equal(got, expected)

@@ -15,6 +15,7 @@ from megatron_core.data.tokenizer import (
     file_sha256,
     train_bpe_tokenizer,
 )
+from megatron_core.data import tokenizer as tokenizer_module
 from megatron_core.errors import UserError
 
 from training_fixtures import MEGATRON_PREPROCESS_FIXTURE as FIXTURE
@@ -192,9 +193,7 @@ def _assert_equal(tok, reference, texts):
 
 def _gpt2_pattern(tok):
     """tiktoken on the same ranks with GPT-2's own split pattern (lookahead included)."""
-    encoding = tok.engine._gpt2
-    to_id = tok.engine._rank_to_id
-    return lambda text: [int(to_id[r]) if to_id is not None else r for r in encoding.encode_ordinary(text)]
+    return lambda text: tok.engine.encode_gpt2_pattern(text).tolist()
 
 
 def test_marker_split_equals_gpt2_split_where_they_differ(tmp_path):
@@ -225,7 +224,7 @@ def test_marker_skips_merged_bytes_and_falls_back_when_none_is_free(tmp_path):
     assert tok.engine.name == "tiktoken" and tok.engine.marker == "\x02"
     _assert_equal(tok, GPT2BPETokenizer(vocab, merges, engine="hf").encode, texts)
     # Every candidate merged: no marker, GPT-2's own pattern.
-    candidates = [chr(c) for c in (*range(0x00, 0x09), *range(0x0E, 0x20), 0x7F)]
+    candidates = tokenizer_module._MARKER_CANDIDATES
     every = texts * 2 + ["".join(c * 2 + " " for c in candidates) * 30] * 5
     vocab, merges = train_bpe_tokenizer(iter(every), 800, tmp_path / "all", min_frequency=2)
     tok = GPT2BPETokenizer(vocab, merges)

@@ -320,6 +320,12 @@ class _TiktokenEngine:
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [self.encode(t) for t in texts]
 
+    def encode_gpt2_pattern(self, text: str) -> np.ndarray:
+        """The ids from the same ranks split by GPT-2's own pattern (lookahead included), without the
+        marker: what encode_array must give, for checks (the bench, the tests)."""
+        ranks = self._gpt2.encode_to_numpy(text, disallowed_special=())
+        return ranks if self._rank_to_id is None else self._rank_to_id[ranks]
+
 
 # Unicode White_Space, what \s means to tiktoken's Rust regex and to the HF tokenizers' (Python's
 # `\s` and str.isspace differ: they also take \x1c-\x1f).
