@@ -83,6 +83,7 @@ def recipes(c, show=None):
         r = config.load_recipe(str(path))
         world = r.parallel.world_size
         on_gpu = "gpu" in r.hardware.lower()
+        loose = r.unpinned_revisions()
         rows.append(
             (
                 r.name,
@@ -92,11 +93,11 @@ def recipes(c, show=None):
                 _human(r.num_parameters()),
                 _human(r.tokens_to_train()),
                 r.hash,
-                "no" if r.unpinned_revisions() else "yes",
+                "no" if loose else "yes",
             )
         )
-        if r.unpinned_revisions():
-            unpinned[r.name] = r.unpinned_revisions()
+        if loose:
+            unpinned[r.name] = loose
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())

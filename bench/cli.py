@@ -4,9 +4,27 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Callable
+import time
+from pathlib import Path
+from typing import Callable, Optional
 
 from megatron_core.errors import UserError
+from megatron_core.files import replace_atomically
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def results_path(name: str, results_dir: Optional[Path] = None, suffix: str = ".json") -> Path:
+    """bench/results/<name>-<UTC time><suffix> (or under results_dir), its folder made."""
+    results_dir = Path(results_dir or RESULTS)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    return results_dir / f"{name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}{suffix}"
+
+
+def write_result(result: dict, path: Path) -> Path:
+    """The result as indented JSON at path, never half-written under that name."""
+    replace_atomically(path, lambda tmp: tmp.write_text(json.dumps(result, indent=2) + "\n"))
+    return path
 
 
 def finish(run: Callable[[], dict]) -> int:

@@ -9,7 +9,6 @@ Default request: CodeParrot-small's 150000 iterations x global batch 192 at seq 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shutil
@@ -20,6 +19,7 @@ import types
 
 import numpy as np
 
+from bench.cli import results_path, write_result
 from megatron_core.data import gpt_dataset
 from megatron_core.data.indexed_dataset import IndexedDatasetBuilder
 
@@ -110,11 +110,7 @@ def _run(work, data_prefix, train_iters, global_batch_size, seq_length, eval_int
         "ours_all_s": [round(t, 3) for t in ours_times], "megatron_core_all_s": [round(t, 3) for t in megatron_times],
     }
     if write:
-        results = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-        os.makedirs(results, exist_ok=True)
-        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
-        with open(os.path.join(results, f"dataset-{stamp}.json"), "w") as handle:
-            json.dump(result, handle, indent=2)
+        result["results_file"] = str(write_result(result, results_path("dataset")))
     return result
 
 

@@ -21,7 +21,6 @@ bench/results/eval-<time>.json and prints the JSON as the last line.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -34,10 +33,9 @@ from typing import Callable, Optional
 
 import torch
 
-from bench.cli import finish
+from bench.cli import RESULTS, finish, results_path, write_result
 from megatron_core.errors import UserError
 
-RESULTS = Path(__file__).resolve().parent / "results"
 TARGET_RATIO = 0.8  # issue #14: ours at least 0.8x transformers' generate on a CPU
 NEVER = "\x00\x00never\x00\x00"  # a stop string no sample contains
 MODEL = {"num_layers": 6, "hidden_size": 256, "num_attention_heads": 8, "seq_length": 1024,
@@ -178,7 +176,7 @@ def run(problems: int = 2, samples: int = 8, batch: int = 8, max_new_tokens: int
         "problems": problems, "prompt_tokens": [len(i) for i in prompt_ids], "samples_per_problem": samples,
         "batch": batch, "max_new_tokens": max_new_tokens, "temperature": settings.temperature,
         "top_p": settings.top_p, "rounds": repeats,
-        "greedy_check": {"tokens": len(ours_greedy), "equal": True},
+        "greedy_check": {"ours": list(ours_greedy), "transformers": list(hf_greedy)},  # compared above
         "ours_tokens_per_s": rate["ours"],
         "baseline_tokens_per_s": rate["transformers"],
         "ours_tokens_per_cpu_s": cpu_rate["ours"],
@@ -191,17 +189,8 @@ def run(problems: int = 2, samples: int = 8, batch: int = 8, max_new_tokens: int
         "meets_target": ratio >= TARGET_RATIO,
     }
     if write:
-        result["results_file"] = str(write_results(result, Path(results_dir or RESULTS)))
+        result["results_file"] = str(write_result(result, results_path("eval", results_dir)))
     return result
-
-
-def write_results(result: dict, results_dir: Path = RESULTS) -> Path:
-    results_dir.mkdir(parents=True, exist_ok=True)
-    path = results_dir / f"eval-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    partial = path.with_suffix(".json.partial")
-    partial.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(partial, path)  # never a half-written results file under the final name
-    return path
 
 
 def main(argv: Optional[list[str]] = None) -> int:

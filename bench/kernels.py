@@ -15,17 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from bench.cli import results_path, write_result
 from megatron_core.errors import UserError
 
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CHECK_TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
@@ -169,16 +167,6 @@ def run(tokens: int = 12 * 1024, hidden: int = 768, vocab: int = 32768, heads: i
     }
 
 
-def _write_json(result: dict) -> str:
-    os.makedirs(RESULTS_DIR, exist_ok=True)
-    path = os.path.join(RESULTS_DIR, f"kernels-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    partial = path + ".partial"
-    with open(partial, "w") as handle:
-        json.dump(result, handle, indent=2)
-    os.replace(partial, path)  # never a half-written results file under the final name
-    return path
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=12 * 1024)
@@ -195,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if "skipped" not in result:  # a skip measured nothing, so it leaves no results file
-        result["results_file"] = _write_json(result)
+        result["results_file"] = str(write_result(result, results_path("kernels")))
     print(json.dumps(result))
     return 0
 

@@ -1,6 +1,6 @@
 """Benchmark: preprocessing the Python-stdlib corpus (~30 MB of code) to .bin/.idx.
 
-    python bench/preprocess.py [--workers 2] [--vocab-size 32768] [--recipe-hash H]
+    python -m bench.preprocess [--workers 2] [--vocab-size 32768] [--recipe-hash H]
 
 Builds the corpus, trains a byte-level BPE on it (or reuses one trained on the same corpus and
 vocab size under the work directory), then times preprocessing: the whole command as a user
@@ -24,12 +24,12 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.cli import results_path, write_result
 from megatron_core.data.corpus import build_corpus
 from megatron_core.data.indexed_dataset import IndexedDataset
 from megatron_core.data.preprocess import preprocess, preprocess_args
 from megatron_core.data.tokenizer import GPT2BPETokenizer, file_sha256, train_bpe_tokenizer
 
-RESULTS = Path(__file__).resolve().parent / "results"
 TARGET_MB_PER_S = 20.0  # end to end, the whole process
 
 
@@ -147,9 +147,7 @@ def run(
         "corpus_seconds": round(corpus_seconds, 3),
         "tokenizer_seconds": round(tokenizer_seconds, 3),
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"preprocess-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(result, results_path("preprocess"))
     return result
 
 

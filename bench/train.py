@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
 import platform
@@ -35,11 +34,10 @@ from typing import Callable, Optional
 import torch
 
 from bench import roofline
-from bench.cli import finish
+from bench.cli import RESULTS, finish, results_path, write_result
 from megatron_core import config, workflow
 from megatron_core.errors import UserError
 
-RESULTS = Path(__file__).resolve().parent / "results"
 # Targets from the fused-kernels issue: our tokens/s over the transformers baseline.
 TARGET_RATIO = {"cpu": 1.3, "cuda": 1.8}  # issue 15: at least 1.3x transformers
 
@@ -254,7 +252,7 @@ def _free() -> None:
 
 def run(recipe_spec: str = "codeparrot-tiny", overrides=(), workdir: str = "./work", iters: int = 20,
         warmup: int = 3, repeats: int = 2, baseline: Optional[str] = None, write: bool = True,
-        echo=print, results_dir: Optional[Path] = None) -> dict:
+        echo=print, results_dir: Optional[Path] = None, profile_steps: int = 3) -> dict:
     if baseline not in (None, "hf"):
         raise UserError(f"--baseline {baseline!r} is not known; use --baseline hf (transformers GPT2LMHeadModel)")
     if iters < 1 or warmup < 0 or repeats < 1:
@@ -262,7 +260,8 @@ def run(recipe_spec: str = "codeparrot-tiny", overrides=(), workdir: str = "./wo
     recipe = config.load_recipe(recipe_spec, list(overrides))
     setup = Setup(recipe, workdir)
     try:
-        return _run(setup, recipe, overrides, iters, warmup, repeats, baseline, write, echo, results_dir)
+        return _run(setup, recipe, overrides, iters, warmup, repeats, baseline, write, echo, results_dir,
+                    profile_steps)
     finally:
         setup.scratch.cleanup()
 
@@ -353,7 +352,7 @@ def _run(setup, recipe, overrides, iters, warmup, repeats, baseline, write, echo
     echo(f"roofline: this machine's {gemms['dtype']} matmuls at the model's GEMM shapes run "
          f"{gemms['gemm_tflops']:.3f} TFLOP/s ({gemms['gemm_ms_per_iteration']:.1f} ms per iteration); fraction of "
          + ", ".join(f"{side} {r['fraction_of_gemm']:.2f}" for side, r in best.items()))
-    profile = profile_ours(setup) if profile_steps else None
+    profile = profile_ours(setup, steps=profile_steps) if profile_steps else None
     result = {
         "benchmark": "train",
         "recipe": recipe.name,
@@ -380,7 +379,6 @@ def _run(setup, recipe, overrides, iters, warmup, repeats, baseline, write, echo
         "regime": {"ours": description["precision_regime"],
                    "baseline": baseline_regime(setup.precision)},
         "ours_backends": description["backends"],
-        "ours_precision_regime": description["precision_regime"],
         "ours_grad_buffer_mb": description["grad_buffer_mb"],  # the fp32 (or param-dtype) main_grad buffers
         "ours": best["ours"],
         "ours_tokens_per_s": best["ours"]["tokens_per_s"],
@@ -403,20 +401,15 @@ def _run(setup, recipe, overrides, iters, warmup, repeats, baseline, write, echo
         echo(f"ours / transformers: {ratio:.2f}x (target {target}x; at most {best['baseline']['ratio_bound']:.2f}x "
              "here: the baseline's step time over its GEMMs' time)")
     if write:
-        result["results_file"] = str(write_results(result, Path(results_dir or RESULTS)))
+        result["results_file"] = str(write_results(result, results_dir))
     return result
 
 
-def write_results(result: dict, results_dir: Path = RESULTS) -> Path:
-    results_dir.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    path = results_dir / f"train-{stamp}.json"
+def write_results(result: dict, results_dir: Optional[Path] = None) -> Path:
+    path = results_path("train", results_dir)
     if "baseline_tokens_per_s" in result:
-        result["chart"] = write_chart(result, results_dir / f"train-{stamp}.png").name  # beside the JSON
-    partial = path.with_suffix(".json.partial")
-    partial.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(partial, path)  # never a half-written results file under the final name
-    return path
+        result["chart"] = write_chart(result, path.with_suffix(".png")).name  # beside the JSON
+    return write_result(result, path)
 
 
 def write_chart(result: dict, path: Path) -> Path:
@@ -450,9 +443,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--baseline", choices=["hf"])
     parser.add_argument("--results-dir", default=str(RESULTS), help="where the JSON and chart go")
+    parser.add_argument("--profile-steps", type=int, default=3, help="steps of torch.profiler's per-op table (0: none)")
     args = parser.parse_args(argv)
     return finish(lambda: run(args.recipe, args.overrides, args.workdir, args.iters, args.warmup, args.repeats,
-                              args.baseline, results_dir=Path(args.results_dir)))
+                              args.baseline, results_dir=Path(args.results_dir), profile_steps=args.profile_steps))
 
 
 if __name__ == "__main__":

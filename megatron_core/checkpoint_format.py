@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from megatron_core.errors import UserError
+from megatron_core.files import replace_atomically
 
 CHECKPOINT_VERSION = 3.0
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
@@ -101,6 +102,11 @@ def flatten_model_state(nested: dict) -> dict[str, torch.Tensor]:
 
 
 _MODEL_CHUNK_KEY = re.compile(r"^model(\d+)$")
+
+
+def is_model_key(key) -> bool:
+    """`model`, or `model0`, `model1`, ... (the interleaved schedule's chunks): a rank file's model entries."""
+    return key == "model" or bool(_MODEL_CHUNK_KEY.match(str(key)))
 
 
 def model_entries(nested_states: list[dict]) -> dict:
@@ -327,20 +333,11 @@ def load_checkpoint_file(path) -> dict:
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    with open(tmp, "rb") as handle:
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    replace_atomically(path, lambda tmp: torch.save(obj, tmp))
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    replace_atomically(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 TOKENIZER_FILES = ("vocab.json", "merges.txt")  # kept in the checkpoint directory, beside the tracker
@@ -356,11 +353,7 @@ def write_tokenizer_files(save: Path, vocab_file, merge_file) -> None:
     """Copy the tokenizer into the checkpoint directory (each file atomically), so the directory
     converts and evaluates on its own."""
     for source, target in zip((vocab_file, merge_file), tokenizer_copies(save)):
-        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-        shutil.copyfile(source, tmp)
-        with open(tmp, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
+        replace_atomically(target, lambda tmp, source=source: shutil.copyfile(source, tmp))
 
 
 def _fsync_dir(path: Path) -> None:

@@ -244,6 +244,11 @@ class Recipe:
         t, p = self.training, self.parallel
         return t.global_batch_size // (t.micro_batch_size * p.data_parallel_size)
 
+    @property
+    def precision(self) -> str:
+        """"fp16", "bf16" or "fp32": the training precision the recipe asks for."""
+        return "fp16" if self.training.fp16 else "bf16" if self.training.bf16 else "fp32"
+
     def padded_vocab_size(self, vocab_size: int) -> int:
         """Megatron's padding: a multiple of make_vocab_size_divisible_by x TP."""
         multiple = self.model.make_vocab_size_divisible_by * self.parallel.tensor_model_parallel_size

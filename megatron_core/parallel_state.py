@@ -16,6 +16,7 @@ as a single process: world 1, rank 0, group None, first and last pipeline stage.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -173,6 +174,13 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     # On a middle pipeline stage (PP > 2) this rank belongs to no embedding group.
     _GROUPS.setdefault("embedding", _Group(None, []))
     _VIRTUAL_PIPELINE_WORLD_SIZE = virtual_pipeline_model_parallel_size
+
+
+def is_local_rank_zero() -> bool:
+    """Local rank 0 of this node (torchrun's LOCAL_RANK; without it, global rank 0, or no process
+    group at all): the process that looks after this node's files, so nodes need no shared disk."""
+    distributed = dist.is_available() and dist.is_initialized()
+    return int(os.environ.get("LOCAL_RANK", dist.get_rank() if distributed else 0)) == 0
 
 
 def model_parallel_is_initialized() -> bool:

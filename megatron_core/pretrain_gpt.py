@@ -111,11 +111,7 @@ def precision_regime(recipe: Recipe) -> str:
 
 
 def precision_of(recipe: Recipe) -> tuple[str, torch.dtype]:
-    if recipe.training.fp16:
-        return "fp16", torch.float16
-    if recipe.training.bf16:
-        return "bf16", torch.bfloat16
-    return "fp32", torch.float32
+    return recipe.precision, {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[recipe.precision]
 
 
 def seed_everything(seed: int) -> None:

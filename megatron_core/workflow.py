@@ -180,6 +180,8 @@ def _fetch_hub_tokenizer(name: str, revision: str, out: Path) -> str:
         for filename in ("vocab.json", "merges.txt"):
             shutil.copyfile(hf_hub_download(name, filename, revision=commit), out / filename)
         return commit
+    except UserError:  # hub_commit's own message names the problem already
+        raise
     except Exception as exc:  # noqa: BLE001 - any Hub failure means the same thing to the user
         raise UserError(
             f"cannot fetch tokenizer {name}@{revision} from the Hugging Face Hub ({type(exc).__name__}); "

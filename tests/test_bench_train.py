@@ -35,7 +35,7 @@ def test_same_work_and_promised_keys(smoke_bench):
     written = json.loads(Path(result["results_file"]).read_text())
     chart = Path(result["results_file"]).parent / result["chart"]  # named relative to the JSON beside it
     assert written["recipe_hash"] == result["recipe_hash"] and chart.stat().st_size > 0
-    assert result["ours_grad_buffer_mb"] > 0 and "main_grad" in result["ours_precision_regime"]
+    assert result["ours_grad_buffer_mb"] > 0 and "main_grad" in result["regime"]["ours"]
     roof = result["roofline"]
     for side in ("ours", "baseline"):  # measured step time vs the time of its GEMMs alone
         assert result[side]["fraction_of_gemm"] == pytest.approx(roof["gemm_ms_per_iteration"]

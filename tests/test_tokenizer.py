@@ -285,7 +285,9 @@ def test_probe_verdict_is_cached_per_files_and_can_be_turned_off(tmp_path, monke
     # vocab's tables (they do not map this vocab's tokens to its ids): all built again, no probe.
     for damaged in (b"PK not a zip", tables.read_bytes()[:200], b"", other_tables):
         tables.write_bytes(damaged)
+        capsys.readouterr()
         assert GPT2BPETokenizer(vocab, merges).encode("ab  ab") == built.encode("ab  ab") and len(probes) == 2
+        assert "rebuilding it" in capsys.readouterr().err  # said, not silent
     cached.write_text("{not json", encoding="utf-8")
     GPT2BPETokenizer(vocab, merges)
     assert len(probes) == 3

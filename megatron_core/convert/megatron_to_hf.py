@@ -29,6 +29,11 @@ PROVENANCE_FILE = "provenance.json"
 _MODEL_FILES = ("config.json", "model.safetensors", "pytorch_model.bin", "model.safetensors.index.json")
 
 
+def eod_id_of(tokenizer) -> Optional[int]:
+    """The HF tokenizer's id of <|endoftext|>, or None when its vocab has none."""
+    return tokenizer.convert_tokens_to_ids(EOD_TOKEN) if EOD_TOKEN in tokenizer.get_vocab() else None
+
+
 def gpt2_model(state: dict, shape: ModelShape, eod_id: Optional[int], args=None, attn_implementation: str = "sdpa"):
     """Our merged Megatron state as a transformers GPT2LMHeadModel (fp32, CPU), built in memory with the
     mapping `invoke convert` writes: what evaluation and bench.train's baseline start from."""
@@ -185,7 +190,7 @@ def convert_checkpoint(
     tmp = Path(tempfile.mkdtemp(prefix=f".{save.name}.tmp-", dir=save.parent))
     try:
         tokenizer = save_tokenizer(vocab, merges, tmp)
-        eod_id = tokenizer.convert_tokens_to_ids(EOD_TOKEN) if EOD_TOKEN in tokenizer.get_vocab() else None
+        eod_id = eod_id_of(tokenizer)
         if eod_id is None:
             print(f"convert: warning: the vocab has no {EOD_TOKEN}; bos/eos left unset", flush=True)
         if len(tokenizer) > ckpt.shape.padded_vocab_size:

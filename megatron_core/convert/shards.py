@@ -31,6 +31,7 @@ from megatron_core.checkpoint_format import (
     TRACKER_FILENAME,
     check_rank_files,
     find_rank_files,
+    is_model_key,
     iteration_dir,
     load_checkpoint_file,
     merge_chunked_states,
@@ -103,7 +104,7 @@ def load_shard_file(path: Path) -> dict:
             f"{path} is not a readable Megatron checkpoint ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
             "point --load at a directory written by Megatron-LM or megatron_core training"
         ) from None
-    if not isinstance(obj, dict) or not any(key == "model" or re.fullmatch(r"model\d+", str(key)) for key in obj):
+    if not isinstance(obj, dict) or not any(map(is_model_key, obj)):
         raise UserError(f"{path} is not a Megatron checkpoint (no 'model' or 'model0' key); point --load at a "
                         "Megatron save dir")
     return obj

@@ -31,13 +31,16 @@ import json
 import os
 import re
 import time
+from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
+from megatron_core import parallel_state
 from megatron_core.data import blending
 from megatron_core.errors import UserError
+from megatron_core.files import replace_atomically
 
 SPLIT_NAMES = ("train", "valid", "test")
 
@@ -305,10 +308,11 @@ def _file_identity(path: str) -> Dict[str, int]:
 
 
 def _save_npy_atomic(path: str, array: np.ndarray) -> None:
-    temporary = f"{path}.tmp-{os.getpid()}"
-    with open(temporary, "wb") as handle:
-        np.save(handle, array, allow_pickle=False)
-    os.replace(temporary, path)
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as handle:
+            np.save(handle, array, allow_pickle=False)
+
+    replace_atomically(Path(path), write)
 
 
 class IndexCache:
@@ -363,7 +367,7 @@ def _node_builder() -> bool:
     """Local rank 0 of every node builds: nodes need not share a filesystem (on a shared one two
     nodes may build the same files at once: each writes under its own temporary name and renames
     identical, deterministic bytes into place)."""
-    return int(os.environ.get("LOCAL_RANK", _rank())) == 0
+    return parallel_state.is_local_rank_zero()
 
 
 def load_or_build(cache: IndexCache, build, what: str) -> Dict[str, np.ndarray]:

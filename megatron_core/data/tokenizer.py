@@ -32,6 +32,7 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 
 from megatron_core.errors import UserError
+from megatron_core.files import replace_atomically
 
 EOD_TOKEN = "<|endoftext|>"
 # GPT-2's pre-tokenizer regex (the one Megatron's GPT2Tokenizer and HF's ByteLevel use).
@@ -459,34 +460,15 @@ def _read_verdict(path: Optional[Path]) -> Optional[dict]:
     return verdict
 
 
-def _replace_atomically(path: Path, write) -> None:
-    """write(temporary path), fsync it, then rename it to path: readers (and a machine that
-    crashed) see the whole file or the old one, never a torn one."""
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
-        raise
-
-
 def _write_cache(path: Optional[Path], write) -> None:
     if path is None:
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        _replace_atomically(path, write)
-    except OSError:  # a read-only or full cache only costs the probe next time
-        pass
+        replace_atomically(path, write)
+    except OSError as exc:  # a read-only or full cache only costs the probe next time: say so
+        _log(f"tokenizer cache: cannot write {path} ({exc.strerror or exc}); the check runs again next time "
+             f"(set {TOKENIZER_CACHE_ENV} to a writable directory, or 0 to turn the cache off)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -506,7 +488,7 @@ class GPT2BPETokenizer:
         self.vocab_file, self.merge_file = os.fspath(vocab_file), os.fspath(merge_file)
         self._inverse: Optional[dict[int, str]] = None  # built by the first decode
         files_sha256 = hashlib.sha256(b"vocab.json\0%s\0merges.txt\0%s" % (vocab_raw, merges_raw)).hexdigest()
-        self.engine, why = self._cached_engine(engine, files_sha256, self.vocab)
+        self.engine, why = self._cached_engine(engine, files_sha256)
         if self.engine is None:  # no verdict cached yet: read, check and probe
             merges = _parse_merges(merges_raw, merge_file)
             _check_tokenizer(self.vocab, merges, vocab_file, merge_file)
@@ -515,8 +497,7 @@ class GPT2BPETokenizer:
         if not quiet:
             _log(f"GPT2BPETokenizer: vocab {self.vocab_size}, engine {self.engine.name} ({why})")
 
-    @staticmethod
-    def _cached_engine(requested: str, files_sha256: str, self_vocab: dict):
+    def _cached_engine(self, requested: str, files_sha256: str):
         """The tiktoken engine from the cache, when a verdict says it equals the exact BPE on
         these very files (which were checked before that verdict was written)."""
         cache = _verdict_path(files_sha256) if requested == "auto" else None
@@ -526,9 +507,11 @@ class GPT2BPETokenizer:
         tables = cache.with_suffix(".npz")
         try:
             engine = _TiktokenEngine.load_tables(tables) if _trusted(tables) else None
-        except Exception:  # noqa: BLE001 - absent, truncated or damaged in any way: build them again
-            return None, None
-        if engine is None or not engine.maps_to(self_vocab):
+        except Exception:  # noqa: BLE001 - truncated or damaged in any way: build them again
+            engine = None
+        if engine is None or not engine.maps_to(self.vocab):
+            if tables.exists():
+                _log(f"tokenizer cache: {tables} is damaged, not this vocab's or writable by others; rebuilding it")
             return None, None
         return engine, f"{verdict['why']} (cached in {cache})"
 
@@ -629,4 +612,4 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, out_dir, min_freq
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    _replace_atomically(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    replace_atomically(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))

@@ -56,7 +56,7 @@ def allreduce_sequence_parallel_grads(params: Iterable[torch.nn.Parameter]) -> N
     """Sum over TP the grads of parameters marked `sequence_parallel` (each TP rank saw 1/tp of the sequence)."""
     if ps.get_tensor_model_parallel_world_size() == 1:
         return
-    grads = [gradient(p) for p in params if getattr(p, "sequence_parallel", False) and gradient(p) is not None]
+    grads = [g for p in params if getattr(p, "sequence_parallel", False) and (g := gradient(p)) is not None]
     _allreduce_coalesced(grads, ps.get_tensor_model_parallel_group())
 
 

@@ -37,10 +37,6 @@ class Placement:
         return {"device": "cuda:all" if self.device_map else str(self.device), "dtype": self.dtype_name}
 
 
-def recipe_dtype_name(recipe) -> str:
-    return "fp16" if recipe.training.fp16 else "bf16" if recipe.training.bf16 else "fp32"
-
-
 def resolve_placement(recipe, device: str = "auto", dtype: str = "auto") -> Placement:
     """One line of UserError for a device that is not here or a dtype that is not known."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -64,7 +60,7 @@ def resolve_placement(recipe, device: str = "auto", dtype: str = "auto") -> Plac
         raise UserError(f"--device {device!r} is not a device; use one of {DEVICES_HELP}")
     dtype = dtype or "auto"
     if dtype == "auto":
-        dtype = recipe_dtype_name(recipe) if placement_device.type == "cuda" else "fp32"
+        dtype = recipe.precision if placement_device.type == "cuda" else "fp32"
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r} is not known; use auto, {', '.join(DTYPES)}")
     return Placement(placement_device, DTYPES[dtype], device_map)

@@ -19,7 +19,7 @@ from typing import Optional, Union
 
 import torch
 
-from megatron_core.convert.megatron_to_hf import EOD_TOKEN, gpt2_model
+from megatron_core.convert.megatron_to_hf import eod_id_of, gpt2_model
 from megatron_core.convert.shards import ModelShape, read_checkpoint
 from megatron_core.errors import UserError
 from megatron_core.evaluate.generate import SamplingConfig, generate_cached
@@ -81,10 +81,6 @@ def _tokenizer_for_checkpoint(path: Path, args):
         return _tokenizer_from_dir(Path(tmp))
 
 
-def _eod_id(tokenizer) -> Optional[int]:
-    return tokenizer.convert_tokens_to_ids(EOD_TOKEN) if EOD_TOKEN in tokenizer.get_vocab() else None
-
-
 def _gpt2_in_memory(state: dict, shape: ModelShape, args, eod_id: Optional[int], placement: Placement,
                     attn_implementation: str):
     """Our merged Megatron state as a GPT2LMHeadModel (the mapping `invoke convert` writes), nothing on disk."""
@@ -101,7 +97,7 @@ def load_for_evaluation(model, tokenizer=None, placement: Placement = CPU,
             raise UserError("evaluating a loaded model needs its tokenizer (tokenizer=...)")
         if hasattr(model, "gpt") and hasattr(model, "shape"):  # our MegatronCausalLM
             state = {k: v for k, v in model.gpt.state_dict().items() if not k.endswith("_extra_state")}
-            hf = _gpt2_in_memory(state, model.shape, None, _eod_id(tokenizer), placement, attn_implementation)
+            hf = _gpt2_in_memory(state, model.shape, None, eod_id_of(tokenizer), placement, attn_implementation)
             return LoadedModel(hf, tokenizer, _state_hash(state), "GPTModel (in memory, as GPT2)", placement)
         if not hasattr(model, "generation_config"):
             raise UserError(f"{type(model).__name__} is neither a transformers causal LM nor our MegatronCausalLM")
@@ -111,7 +107,7 @@ def load_for_evaluation(model, tokenizer=None, placement: Placement = CPU,
     if (path / "latest_checkpointed_iteration.txt").exists():
         ckpt = read_checkpoint(path)
         tok = tokenizer or _tokenizer_for_checkpoint(path, ckpt.args)
-        hf = _gpt2_in_memory(ckpt.state, ckpt.shape, ckpt.args, _eod_id(tok), placement, attn_implementation)
+        hf = _gpt2_in_memory(ckpt.state, ckpt.shape, ckpt.args, eod_id_of(tok), placement, attn_implementation)
         return LoadedModel(hf, tok, f"{ckpt.recipe_hash}-it{ckpt.iteration}-{_state_hash(ckpt.state)}",
                            f"GPTModel from {path} (converted in memory, {attn_implementation})", placement)
     if (path / "config.json").exists():
@@ -190,7 +186,7 @@ class HumanEvalSampler:
                             f"{loaded.context_window} positions; use fewer")
         self.cfg = SamplingConfig(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
                                   top_p=settings.top_p, stop_sequences=settings.stop_sequences,
-                                  eos_token_id=_eod_id(loaded.tokenizer), vocab_limit=len(loaded.tokenizer))
+                                  eos_token_id=eod_id_of(loaded.tokenizer), vocab_limit=len(loaded.tokenizer))
 
     def uniforms(self, prompt: str, n: int) -> torch.Tensor:
         digest = hashlib.sha256(f"{self.settings.seed}:{prompt}".encode()).digest()

@@ -23,6 +23,7 @@ from typing import Iterable, Optional
 import torch
 
 from megatron_core import parallel_state
+from megatron_core.distributed.grad_sync import gradient
 from megatron_core.optimizer.clip_grads import (
     clip_by_norm_,
     counts_for_norm,
@@ -141,9 +142,9 @@ class FP32MasterOptimizer:
         for group in self.optimizer.param_groups:
             group["step"] = step
 
-    def _adam_state(self, master: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _adam_state(self, master: torch.Tensor, with_master: bool = True) -> dict[str, torch.Tensor]:
         state = self.optimizer.state.get(master, {})
-        out = {"fp32_param": master.detach().clone()}
+        out = {"fp32_param": master.detach().clone()} if with_master else {}
         for key in ADAM_STATE_KEYS:
             out[key] = state[key].detach().clone() if key in state else torch.zeros_like(master)
         return out
@@ -223,9 +224,7 @@ class MegatronOptimizer(FP32MasterOptimizer):
         no copy); otherwise .grad."""
         pairs = []
         for p, m in zip(self.model_params, self.master_params):
-            grad = getattr(p, "main_grad", None)
-            if grad is None:
-                grad = p.grad
+            grad = gradient(p)
             if grad is None:
                 continue
             m.grad = grad if grad.dtype == torch.float32 else grad.float()
@@ -238,10 +237,7 @@ class MegatronOptimizer(FP32MasterOptimizer):
         moments and, when the model is fp16/bf16, its fp32 master (an fp32 model is its own master)."""
         param_state = {}
         for name, param, master in zip(self.names, self.model_params, self.master_params):
-            entry = self._adam_state(master)
-            if master is param:
-                del entry["fp32_param"]
-            param_state[name] = entry
+            param_state[name] = self._adam_state(master, with_master=master is not param)
         return {**super().state_dict(), "param_state": param_state}
 
     def load_param_state(self, state: dict, step: int) -> None:

@@ -13,7 +13,6 @@ tensors (the merge rules convert uses) and keeps its own slice (`load_latest`).
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import re
 import shutil
@@ -40,6 +39,7 @@ from megatron_core.checkpoint_format import (  # noqa: F401 - re-exported: the n
     distrib_optim_filename,
     find_rank_files,
     flatten_model_state,
+    is_model_key,
     iteration_dir,
     load_checkpoint_file,
     merge_chunked_states,
@@ -157,7 +157,7 @@ def save_checkpoint(save, iteration: int, *, model_state, args: argparse.Namespa
     distributed = dist.is_available() and dist.is_initialized()
     is_global_zero = not distributed or dist.get_rank() == 0
     # Nodes need not share a filesystem: local rank 0 of each node looks after its own copy of `save`.
-    is_node_zero = int(os.environ.get("LOCAL_RANK", dist.get_rank() if distributed else 0)) == 0
+    is_node_zero = parallel_state.is_local_rank_zero()
     if is_node_zero:
         shutil.rmtree(staging_dir(save, iteration), ignore_errors=True)  # leftovers of a save killed midway
     _barrier()
@@ -308,7 +308,7 @@ def load_for_this_rank(iter_dir: Path) -> dict:
                      for c in range(chunks)]
         if tp != saved_tp and state.get("rng_state"):  # the TP tracker's streams are per TP rank
             state["rng_state"][0]["rng_tracker_states"] = None
-    for key in [k for k in state if k == "model" or re.fullmatch(r"model\d+", k)]:
+    for key in [k for k in state if is_model_key(k)]:
         del state[key]
     state.update(model_entries([nest_model_state(flat) for flat in model]))
     if optim is not None:

@@ -108,9 +108,10 @@ class PrefetchingBatches:
         failed = isinstance(item, BaseException)
         status = torch.tensor([-1 if failed else int(item is not None)], dtype=torch.int64, device=self.device)
         dist.broadcast(status, src=src, group=self.tp_group)
-        if status.item() == -1:
+        code = int(status.item())  # one device sync
+        if code == -1:
             return item if failed else RuntimeError("TP rank 0's batch reader failed (its error is in its log)")
-        if status.item() == 0:
+        if code == 0:
             return None
         if self._schema is None:  # shapes and dtypes, once: every later batch has the same
             schema = [[(k, v.shape, v.dtype) for k, v in item.items()] if item is not None else None]
