@@ -98,6 +98,7 @@ class Setup:
         self.device = train_lib.choose_device(recipe.training.device)
         self.precision, self.param_dtype = train_lib.precision_of(recipe)
         self.scratch = tempfile.TemporaryDirectory(prefix="bench-train-")  # removed when the benchmark ends
+        self._iterators: list = []  # closed by close(): their reading threads must not outlive the run
         cache = Path(self.scratch.name) / "index-cache"
         self.train_ds = train_lib.build_datasets(recipe, workflow.data_prefixes(recipe, workdir), cache)[0]
         m, t = recipe.model, recipe.training
@@ -113,8 +114,20 @@ class Setup:
     def batches(self):
         from megatron_core.training.data_iterators import batch_iterator
 
-        return batch_iterator(self.train_ds, consumed_samples=0, micro_batch_size=self.recipe.training.micro_batch_size,
-                              dp_rank=0, dp_size=1, device=self.device, wrap=True)
+        iterator = batch_iterator(self.train_ds, consumed_samples=0,
+                                  micro_batch_size=self.recipe.training.micro_batch_size,
+                                  dp_rank=0, dp_size=1, device=self.device, wrap=True)
+        self._iterators.append(iterator)
+        return iterator
+
+    def close(self) -> None:
+        """Stop every batch reader, then remove the scratch files. A wrapping reader never ends by
+        itself, and a daemon thread still inside torch when the interpreter exits aborts the process
+        ("terminate called without an active exception") after the results were written."""
+        for iterator in self._iterators:
+            iterator.close()
+        self._iterators.clear()
+        self.scratch.cleanup()
 
 
 def build_ours(setup: Setup):
@@ -263,7 +276,7 @@ def run(recipe_spec: str = "codeparrot-tiny", overrides=(), workdir: str = "./wo
         return _run(setup, recipe, overrides, iters, warmup, repeats, baseline, write, echo, results_dir,
                     profile_steps)
     finally:
-        setup.scratch.cleanup()
+        setup.close()
 
 
 def profile_ours(setup: "Setup", steps: int = 3, top: int = 15) -> list[dict]:

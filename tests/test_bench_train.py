@@ -46,6 +46,25 @@ def test_same_work_and_promised_keys(smoke_bench):
     assert Path(result["results_file"]).parent == results
 
 
+def test_no_batch_reader_outlives_the_run(smoke_bench, tmp_path, monkeypatch):
+    # A wrapping reader left running is a daemon thread inside torch at interpreter exit, and that
+    # aborted the CLI (rc -6, "terminate called without an active exception") after it had printed.
+    # The readers are held here, so only the benchmark's own closing can stop them.
+    import bench.train as bench_train
+    from megatron_core.training import data_iterators
+
+    made, original = [], data_iterators.batch_iterator
+
+    def recording(*args, **kwargs):
+        made.append(original(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(data_iterators, "batch_iterator", recording)
+    bench_train.run("smoke", [], str(smoke_bench[2]), iters=1, warmup=0, repeats=1, baseline="hf",
+                    echo=lambda _: None, results_dir=tmp_path, profile_steps=0)
+    assert len(made) >= 2 and not [it for it in made if it._thread.is_alive()]
+
+
 def test_cli_prints_json_last_and_refuses_bad_input(smoke_bench, tmp_path):
     _, _, workdir = smoke_bench
     ok = subprocess.run([sys.executable, "-m", "bench.train", "--recipe", "smoke", "--workdir", str(workdir),
