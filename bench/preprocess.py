@@ -147,7 +147,7 @@ def run(
         "corpus_seconds": round(corpus_seconds, 3),
         "tokenizer_seconds": round(tokenizer_seconds, 3),
     }
-    write_result(result, results_path("preprocess"))
+    result["results_file"] = str(write_result(result, results_path("preprocess")))
     return result
 
 

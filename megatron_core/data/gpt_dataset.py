@@ -363,20 +363,14 @@ class IndexCache:
 BUILD_COUNTER = {"gpt": 0, "blend": 0}
 
 
-def _node_builder() -> bool:
-    """Local rank 0 of every node builds: nodes need not share a filesystem (on a shared one two
-    nodes may build the same files at once: each writes under its own temporary name and renames
-    identical, deterministic bytes into place)."""
-    return parallel_state.is_local_rank_zero()
-
-
 def load_or_build(cache: IndexCache, build, what: str) -> Dict[str, np.ndarray]:
     """Each node's local rank 0 builds and saves what the cache lacks; after a barrier every rank
-    memory-maps it."""
+    memory-maps it. Nodes need not share a filesystem; on a shared one two nodes may build the same
+    files at once: each writes under its own temporary name and renames identical bytes into place."""
     if cache.cache_dir is None:
         log(f"{what}: no cache_dir, building in memory (nothing saved)")
         return _timed_build(functools.partial(build, sink=None), what)
-    if _node_builder() and not cache.is_complete():
+    if parallel_state.is_local_rank_zero() and not cache.is_complete():
         arrays = _timed_build(functools.partial(build, sink=cache.save_array), what)
         cache.save(arrays)
         log(f"{what}: saved {cache.base}-*.npy in {cache.cache_dir}")
