@@ -21,6 +21,12 @@ def bias_gelu_reference(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return F.gelu(x + bias, approximate="tanh")
 
 
+def _sigmoid_argument(h: torch.Tensor) -> torch.Tensor:
+    """w = h (C1 + C3 h^2) in two passes over h: addcmul makes C1 + C3 h^2 in one (a 0-dim C1 in h's
+    dtype broadcasts for free), where h*h, *C3, +C1 took three."""
+    return torch.addcmul(h.new_full((), _C1), h, h, value=_C3).mul_(h)
+
+
 class _BiasGeluSigmoid(torch.autograd.Function):
     """tanh-GeLU(x + bias) through the sigmoid identity, for CPUs: torch's CPU tanh runs about 3.5x
     slower than its sigmoid (4.3 vs 1.25 ms per million fp32 on one AVX2 core), so this form, in-place
@@ -31,8 +37,7 @@ class _BiasGeluSigmoid(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         h = x + bias
         ctx.save_for_backward(h)
-        z = h * h
-        return z.mul_(_C3).add_(_C1).mul_(h).sigmoid_().mul_(h)
+        return _sigmoid_argument(h).sigmoid_().mul_(h)
 
     @staticmethod
     @once_differentiable
@@ -40,9 +45,8 @@ class _BiasGeluSigmoid(torch.autograd.Function):
         (h,) = ctx.saved_tensors
         # d/dh [h s] = s + h s (1 - s) dw, with w = h (C1 + C3 h^2), s = sigmoid(w), dw = C1 + 3 C3 h^2:
         # two buffers, everything else in place (a fresh CPU buffer costs more than a pass over it).
-        t = h * h
-        s = torch.mul(t, _C3).add_(_C1).mul_(h).sigmoid_()
-        t.mul_(3.0 * _C3).add_(_C1).mul_(h)  # h dw
+        s = _sigmoid_argument(h).sigmoid_()
+        t = torch.addcmul(h.new_full((), _C1), h, h, value=3.0 * _C3).mul_(h)  # h dw
         t.addcmul_(t, s, value=-1.0)  # h dw (1 - s)
         grad_h = t.add_(1.0).mul_(s).mul_(grad)
         grad_bias = grad_h.reshape(-1, grad_h.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None

@@ -185,7 +185,9 @@ class SelfAttention(nn.Module):
         qkv = self.query_key_value(x)  # [s, b, 3h/tp]
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.num_heads_local, 3, self.head_dim)
-        q, k, v = (qkv[:, :, :, i].permute(1, 2, 0, 3) for i in range(3))  # each [b, heads, s, d]
+        # unbind, not three selects: its backward stacks the three gradients in one pass, where each
+        # select's would zero a full-size qkv gradient and autograd would add the three.
+        q, k, v = (t.permute(1, 2, 0, 3) for t in qkv.unbind(3))  # each [b, heads, s, d]
         if self.recompute_core:
             context = checkpoint(self.core_attention, q, k, v)
         else:
