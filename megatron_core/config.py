@@ -86,7 +86,10 @@ class ModelConfig:
     bias_gelu_fusion: bool = True
     openai_gelu: bool = False
     untie_embeddings_and_output_weights: bool = False
-    attention_backend: Literal["sdpa", "unfused"] = "sdpa"
+    # auto: our blocked causal kernel on a CPU in fp32/fp64 while no attention dropout is drawn (it
+    # skips masked key blocks; torch's CPU SDPA is slower there), F.scaled_dot_product_attention otherwise.
+    # The same function either way: changing it on resume is safe.
+    attention_backend: Literal["auto", "sdpa", "unfused", "blocked"] = "auto"
 
     @property
     def ffn_size(self) -> int:
@@ -196,6 +199,7 @@ TOP_LEVEL = ("name", "version", "description", "family", "hardware")
 RESUME_SAFE_KEYS = frozenset(
     {
         "training.train_iters",
+        "model.attention_backend",
         "training.log_interval",
         "training.save_interval",
         "training.eval_interval",

@@ -42,6 +42,8 @@ from megatron_core import parallel_state
 from megatron_core.config import ModelConfig, ParallelConfig
 from megatron_core.errors import UserError
 from megatron_core.fusions import FusionBackends
+from megatron_core.fusions.causal_attention import SUPPORTED_DTYPES as BLOCKED_DTYPES
+from megatron_core.fusions.causal_attention import blocked_causal_attention
 from megatron_core.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -176,23 +178,34 @@ class SelfAttention(nn.Module):
         """softmax(q k^T / sqrt(d), causal) v on [b, heads, s, d]; dropout inside the TP region."""
         p = self.attention_dropout if self.training else 0.0
         with _dropout_rng(True, p, self.training):
-            if self.backend == "sdpa":
+            if self.backend != "unfused":
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
             probs = self.ops.scaled_causal_softmax(q @ k.transpose(-2, -1), 1.0 / math.sqrt(self.head_dim))
             return F.dropout(probs, p=p, training=self.training) @ v
 
-    def forward(self, x):
-        qkv = self.query_key_value(x)  # [s, b, 3h/tp]
+    def runs_blocked(self, qkv) -> bool:
+        """Whether this call takes the blocked CPU kernel: asked for, or `auto` on a CPU in fp32/fp64
+        while no attention dropout is drawn (the kernel has none; SDPA serves that case)."""
+        if self.backend == "blocked":
+            return True
+        return (self.backend == "auto" and qkv.device.type == "cpu" and qkv.dtype in BLOCKED_DTYPES
+                and not (self.training and self.attention_dropout > 0.0))
+
+    def attend(self, qkv):
+        """qkv [s, b, 3h/tp] -> context [s, b, h/tp]."""
+        if self.runs_blocked(qkv):
+            return blocked_causal_attention(qkv, self.num_heads_local, self.head_dim)
         s, b = qkv.shape[:2]
-        qkv = qkv.view(s, b, self.num_heads_local, 3, self.head_dim)
         # unbind, not three selects: its backward stacks the three gradients in one pass, where each
         # select's would zero a full-size qkv gradient and autograd would add the three.
+        qkv = qkv.view(s, b, self.num_heads_local, 3, self.head_dim)
         q, k, v = (t.permute(1, 2, 0, 3) for t in qkv.unbind(3))  # each [b, heads, s, d]
-        if self.recompute_core:
-            context = checkpoint(self.core_attention, q, k, v)
-        else:
-            context = self.core_attention(q, k, v)
-        context = context.permute(2, 0, 1, 3).reshape(s, b, self.num_heads_local * self.head_dim)
+        context = self.core_attention(q, k, v)
+        return context.permute(2, 0, 1, 3).reshape(s, b, self.num_heads_local * self.head_dim)
+
+    def forward(self, x):
+        qkv = self.query_key_value(x)  # [s, b, 3h/tp]
+        context = checkpoint(self.attend, qkv) if self.recompute_core else self.attend(qkv)
         return self.dense(context)  # (output [s, b, h] or its SP chunk, bias)
 
 
@@ -371,7 +384,10 @@ class GPTModel(nn.Module):
         return [p for p in self.parameters() if getattr(p, "sequence_parallel", False)]
 
     def describe_backends(self) -> str:
-        attention = {"sdpa": "F.scaled_dot_product_attention", "unfused": "explicit softmax(QK^T)V"}
+        attention = {"sdpa": "F.scaled_dot_product_attention", "unfused": "explicit softmax(QK^T)V",
+                     "blocked": "blocked causal (CPU)",
+                     "auto": "auto (blocked causal on a CPU in fp32/fp64 without attention dropout, else "
+                             "F.scaled_dot_product_attention)"}
         return (f"attention: {attention[self.config.attention_backend]}; {self.ops.describe()}; "
                 f"recompute: {self.parallel.recompute_granularity or 'none'}")
 

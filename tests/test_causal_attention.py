@@ -1,0 +1,99 @@
+"""The blocked causal attention kernel (CPU, fp32/fp64) against torch's SDPA, alone and inside the model."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+from megatron_core.config import ModelConfig, ParallelConfig
+from megatron_core.errors import UserError
+from megatron_core.fusions import causal_attention
+from megatron_core.fusions.causal_attention import BLOCK_ROWS, blocked_causal_attention
+from megatron_core.models import GPTModel
+
+VOCAB = 64
+
+
+def sdpa_attention(qkv, heads, head_dim):
+    """The model's SDPA path on the same fused projection: [s, b, heads*3*d] -> [s, b, heads*d]."""
+    s, b = qkv.shape[:2]
+    q, k, v = (t.permute(1, 2, 0, 3) for t in qkv.view(s, b, heads, 3, head_dim).unbind(3))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True).permute(2, 0, 1, 3).reshape(s, b, heads * head_dim)
+
+
+def outputs_and_grads(attention, qkv, grad, heads, head_dim):
+    qkv = qkv.detach().requires_grad_(True)
+    out = attention(qkv, heads, head_dim)
+    (dqkv,) = torch.autograd.grad(out, qkv, grad)
+    return out, dqkv
+
+
+# s: one block, exactly two, a ragged last block, many blocks, a single token
+@pytest.mark.parametrize("s", [1, 40, 2 * BLOCK_ROWS, BLOCK_ROWS + 37, 3 * BLOCK_ROWS + 5])
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
+def test_equals_sdpa_forward_and_backward(s, dtype, tol):
+    heads, head_dim, b = 3, 8, 2
+    g = torch.Generator().manual_seed(s)
+    qkv = torch.randn(s, b, heads * 3 * head_dim, generator=g, dtype=dtype)
+    grad = torch.randn(s, b, heads * head_dim, generator=g, dtype=dtype)
+    out, dqkv = outputs_and_grads(blocked_causal_attention, qkv, grad, heads, head_dim)
+    want_out, want_dqkv = outputs_and_grads(sdpa_attention, qkv, grad, heads, head_dim)
+    assert out.shape == (s, b, heads * head_dim) and dqkv.shape == qkv.shape
+    assert_close(out, want_out, rtol=tol, atol=tol)
+    assert_close(dqkv, want_dqkv, rtol=tol, atol=tol)
+
+
+def test_gradcheck_across_a_block_boundary():
+    qkv = torch.randn(BLOCK_ROWS + 6, 2, 2 * 3 * 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: blocked_causal_attention(t, 2, 4), (qkv,))
+
+
+def test_causal_the_last_token_changes_nothing_before_it():
+    qkv = torch.randn(BLOCK_ROWS + 10, 1, 2 * 3 * 4)
+    changed = qkv.clone()
+    changed[-1] += 1.0
+    a, b = blocked_causal_attention(qkv, 2, 4), blocked_causal_attention(changed, 2, 4)
+    assert torch.equal(a[:-1], b[:-1]) and not torch.equal(a[-1], b[-1])
+
+
+def test_refuses_what_it_cannot_run():
+    with pytest.raises(UserError, match="fp32/fp64"):
+        blocked_causal_attention(torch.randn(4, 1, 24, dtype=torch.bfloat16), 2, 4)
+    with pytest.raises(UserError, match=r"heads \* 3 \* head_dim"):
+        blocked_causal_attention(torch.randn(4, 1, 20), 2, 4)
+
+
+def _model(backend: str, attention_dropout: float = 0.0) -> GPTModel:
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=96,
+                      max_position_embeddings=96, hidden_dropout=0.0, attention_dropout=attention_dropout,
+                      attention_backend=backend)
+    return GPTModel(cfg, ParallelConfig(), VOCAB, init_seed=1234)
+
+
+def test_auto_runs_the_blocked_kernel_on_a_cpu_and_trains_like_sdpa(monkeypatch):
+    calls = []
+    real = causal_attention._BlockedCausalAttention.apply
+    monkeypatch.setattr(causal_attention._BlockedCausalAttention, "apply",
+                        lambda *a: calls.append(1) or real(*a))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB, (2, 96), generator=g)
+    pos = torch.arange(96).expand(2, 96)
+    labels = torch.randint(0, VOCAB, (2, 96), generator=g)
+    auto, sdpa = _model("auto"), _model("sdpa")
+    auto(ids, pos, labels).mean().backward()
+    assert len(calls) == 2  # one per layer
+    sdpa(ids, pos, labels).mean().backward()
+    assert len(calls) == 2
+    assert_close(auto(ids, pos, labels), sdpa(ids, pos, labels))
+    for (name, p), q in zip(auto.named_parameters(), sdpa.parameters()):
+        assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_auto_keeps_sdpa_while_attention_dropout_is_drawn():
+    model = _model("auto", attention_dropout=0.1)
+    attention = model.encoder.layers[0].self_attention
+    qkv = torch.randn(8, 1, 3 * 32)
+    assert not attention.runs_blocked(qkv)  # training: the kernel has no dropout
+    model.eval()
+    assert attention.runs_blocked(qkv)  # evaluation draws none
+    assert not attention.runs_blocked(qkv.to(torch.bfloat16))
