@@ -381,10 +381,10 @@ def bench_dataset(c, train_iters=150000, global_batch_size=192, seq_length=1024)
                                  "repeats": "alternating runs of each side (best kept)",
                                  "baseline": "hf: also train transformers' GPT2LMHeadModel + torch AdamW"})
 def bench_train(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, iters=20, warmup=3, repeats=2,
-                baseline=None):
+                baseline=None, rounds=10):
     """Training throughput of our core (tokens/s, ms/iter, TFLOP/s, MFU, peak memory), optionally vs transformers."""
     argv = ["--recipe", recipe, "--workdir", str(workdir), "--iters", str(iters), "--warmup", str(warmup),
-            "--repeats", str(repeats)]
+            "--repeats", str(repeats), "--rounds", str(rounds)]
     for item in set_ or []:
         argv += ["--set", item]
     if baseline:

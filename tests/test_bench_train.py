@@ -18,7 +18,7 @@ def smoke_bench(tmp_path_factory):
     results = tmp_path_factory.mktemp("bench-results")
     workdir = tmp_path_factory.mktemp("bench-work")
     result = bench_train.run("smoke", [], str(workdir), iters=2, warmup=1, repeats=2, baseline="hf",
-                             echo=lambda _: None, results_dir=results)
+                             echo=lambda _: None, results_dir=results, rounds=3)
     return result, results, workdir
 
 
@@ -29,18 +29,22 @@ def test_same_work_and_promised_keys(smoke_bench):
     assert check["max_relative_difference_3_steps"] < 1e-3  # same optimizer, schedule and clipping too
     for key in ("ours_tokens_per_s", "baseline_tokens_per_s", "ratio", "recipe_hash"):
         assert key in result
-    assert result["ratio"] == pytest.approx(result["ours_tokens_per_s"] / result["baseline_tokens_per_s"])
+    # The ratios come from paired rounds (one step of each side and one GEMM pass, back to back): the
+    # median of the in-round ratios, with its quartiles; the best runs' ratio is kept beside it.
+    paired = result["paired"]
+    assert paired["rounds"] == 3 and set(paired["ms_median"]) == {"ours", "baseline", "gemm"}
+    for key, value in (("ratio", result["ratio"]), ("ratio_bound", result["ratio_bound"]),
+                       ("fraction_of_gemm", result["fraction_of_gemm"])):
+        low, median, high = paired[f"{key}_quartiles"]
+        assert 0 < low <= median <= high and value == median
+    assert result["ratio_best_runs"] == pytest.approx(result["ours_tokens_per_s"] / result["baseline_tokens_per_s"])
     assert len(result["ours_all_tokens_per_s"]) == len(result["baseline_all_tokens_per_s"]) == 2
     assert result["ours"]["peak_memory_mb"] > 0 and "mfu" not in result["ours"]  # no MFU invented on a CPU
     written = json.loads(Path(result["results_file"]).read_text())
     chart = Path(result["results_file"]).parent / result["chart"]  # named relative to the JSON beside it
     assert written["recipe_hash"] == result["recipe_hash"] and chart.stat().st_size > 0
     assert result["ours_grad_buffer_mb"] > 0 and "main_grad" in result["regime"]["ours"]
-    roof = result["roofline"]
-    for side in ("ours", "baseline"):  # measured step time vs the time of its GEMMs alone
-        assert result[side]["fraction_of_gemm"] == pytest.approx(roof["gemm_ms_per_iteration"]
-                                                                 / result[side]["ms_per_iteration"])
-    assert result["fraction_of_gemm"] == result["ours"]["fraction_of_gemm"]
+    assert result["roofline"]["gemm_ms_per_iteration"] > 0 and len(result["roofline"]["gemms"]) == 7
     assert result["ours_profile"] and all(row["ms_per_step"] >= 0 for row in result["ours_profile"])
     assert set(result["regime"]) == {"ours", "baseline"}
     assert Path(result["results_file"]).parent == results
@@ -61,7 +65,7 @@ def test_no_batch_reader_outlives_the_run(smoke_bench, tmp_path, monkeypatch):
 
     monkeypatch.setattr(data_iterators, "batch_iterator", recording)
     bench_train.run("smoke", [], str(smoke_bench[2]), iters=1, warmup=0, repeats=1, baseline="hf",
-                    echo=lambda _: None, results_dir=tmp_path, profile_steps=0)
+                    echo=lambda _: None, results_dir=tmp_path, profile_steps=0, rounds=1)
     assert len(made) >= 2 and not [it for it in made if it._thread.is_alive()]
 
 
@@ -89,13 +93,12 @@ def test_bf16_baseline_does_the_same_work_with_16_bit_weights_and_fp32_masters(s
 
     _, _, workdir = smoke_bench
     result = bench_train.run("smoke", ["bf16=true"], str(workdir), iters=1, warmup=0, repeats=1, baseline="hf",
-                             echo=lambda _: None, results_dir=tmp_path)
+                             echo=lambda _: None, results_dir=tmp_path, rounds=1)
     assert result["precision"] == "bf16" and result["roofline"]["dtype"] == "bfloat16"
     assert result["same_work_check"]["relative_difference"] < 1e-3  # measured 3e-6 here
     for side in ("ours", "baseline"):
         assert "bf16" in result["regime"][side] or "bfloat16" in result["regime"][side]
         assert "master weights" in result["regime"][side] and "fp32" in result["regime"][side]
         assert "autocast" not in result["regime"][side]
-    assert result["ratio_bound"] == pytest.approx(result["baseline"]["ms_per_iteration"]
-                                                  / result["roofline"]["gemm_ms_per_iteration"])
+    assert result["ratio_bound"] == result["paired"]["ratio_bound_quartiles"][1] > 0
     assert result["cpu_capability"]
