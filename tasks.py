@@ -379,7 +379,8 @@ def bench_dataset(c, train_iters=150000, global_batch_size=192, seq_length=1024)
 
 @recipe_task(name="train", help={"iters": "timed iterations per run", "warmup": "untimed iterations first",
                                  "repeats": "alternating runs of each side (best kept)",
-                                 "baseline": "hf: also train transformers' GPT2LMHeadModel + torch AdamW"})
+                                 "baseline": "hf: also train transformers' GPT2LMHeadModel + torch AdamW",
+                                 "rounds": "paired rounds (two steps of each side, one GEMM pass) behind the ratios"})
 def bench_train(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, iters=20, warmup=3, repeats=2,
                 baseline=None, rounds=10):
     """Training throughput of our core (tokens/s, ms/iter, TFLOP/s, MFU, peak memory), optionally vs transformers."""

@@ -295,6 +295,7 @@ def paired_rounds(setup: Setup, steps: dict[str, Callable[[], float]], gemm_ms: 
         samples.append(times)
 
     def quartiles(values: list[float]) -> list[float]:
+        """[lower quartile, median, upper quartile] (with fewer than 4 rounds: about min, median, max)."""
         ordered = sorted(values)
         return [ordered[len(ordered) // 4], statistics.median(ordered), ordered[(3 * len(ordered)) // 4]]
 
@@ -409,10 +410,10 @@ def _run(setup, recipe, overrides, iters, warmup, repeats, baseline, write, echo
         hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_size, num_attention_heads=m.num_attention_heads,
         padded_vocab_size=setup.padded_vocab)
 
-    def gemm_pass(repeats: int = 1) -> dict:
-        return roofline.measure(model_gemms, recipe.num_micro_batches, setup.param_dtype, setup.device, repeats)
+    def gemm_pass(best_of: int = 1) -> dict:
+        return roofline.measure(model_gemms, recipe.num_micro_batches, setup.param_dtype, setup.device, best_of)
 
-    gemms = gemm_pass(repeats=3)  # the per-shape table
+    gemms = gemm_pass(best_of=3)  # the per-shape table (the paired rounds time their own passes)
     steps = {"ours": build_ours(setup)[0]}
     if baseline:
         steps["baseline"] = build_hf(setup, start_state)
@@ -424,8 +425,9 @@ def _run(setup, recipe, overrides, iters, warmup, repeats, baseline, write, echo
     _free()
     fraction = paired["fraction_of_gemm_quartiles"][1]
     echo(f"roofline: this machine's {gemms['dtype']} matmuls at the model's GEMM shapes run "
-         f"{gemms['gemm_tflops']:.3f} TFLOP/s ({gemms['gemm_ms_per_iteration']:.1f} ms per iteration); "
-         f"fraction_of_gemm (ours, median of {rounds} paired rounds) {fraction:.2f}")
+         f"{gemms['gemm_tflops']:.3f} TFLOP/s ({gemms['gemm_ms_per_iteration']:.1f} ms per iteration, best of 3; "
+         f"{paired['ms_median']['gemm']:.1f} ms, median of the paired rounds); fraction_of_gemm (ours, median of "
+         f"{rounds} paired rounds) {fraction:.2f}")
     profile = profile_ours(setup, steps=profile_steps) if profile_steps else None
     result = {
         "benchmark": "train",

@@ -56,6 +56,15 @@ def test_causal_the_last_token_changes_nothing_before_it():
     assert torch.equal(a[:-1], b[:-1]) and not torch.equal(a[-1], b[-1])
 
 
+def test_leaves_the_callers_qkv_alone_even_when_a_copy_could_be_a_view():
+    # s == b * heads == 1: permute(...).contiguous() is a view of qkv there; q's scaling must not reach it.
+    qkv = torch.randn(1, 1, 3 * 4, dtype=torch.float64)
+    before = qkv.clone()
+    blocked_causal_attention(qkv, 1, 4)
+    assert torch.equal(qkv, before)
+    assert torch.autograd.gradcheck(lambda t: blocked_causal_attention(t, 1, 4), (qkv.requires_grad_(),))
+
+
 def test_refuses_what_it_cannot_run():
     with pytest.raises(UserError, match="fp32/fp64"):
         blocked_causal_attention(torch.randn(4, 1, 24, dtype=torch.bfloat16), 2, 4)
@@ -63,11 +72,17 @@ def test_refuses_what_it_cannot_run():
         blocked_causal_attention(torch.randn(4, 1, 20), 2, 4)
 
 
-def _model(backend: str, attention_dropout: float = 0.0) -> GPTModel:
+def _model(backend: str, attention_dropout: float = 0.0, recompute: str = None) -> GPTModel:
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=96,
                       max_position_embeddings=96, hidden_dropout=0.0, attention_dropout=attention_dropout,
                       attention_backend=backend)
-    return GPTModel(cfg, ParallelConfig(), VOCAB, init_seed=1234)
+    return GPTModel(cfg, ParallelConfig(recompute_granularity=recompute), VOCAB, init_seed=1234)
+
+
+def _batch():
+    g = torch.Generator().manual_seed(0)
+    return (torch.randint(0, VOCAB, (2, 96), generator=g), torch.arange(96).expand(2, 96),
+            torch.randint(0, VOCAB, (2, 96), generator=g))
 
 
 def test_auto_runs_the_blocked_kernel_on_a_cpu_and_trains_like_sdpa(monkeypatch):
@@ -75,10 +90,7 @@ def test_auto_runs_the_blocked_kernel_on_a_cpu_and_trains_like_sdpa(monkeypatch)
     real = causal_attention._BlockedCausalAttention.apply
     monkeypatch.setattr(causal_attention._BlockedCausalAttention, "apply",
                         lambda *a: calls.append(1) or real(*a))
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, VOCAB, (2, 96), generator=g)
-    pos = torch.arange(96).expand(2, 96)
-    labels = torch.randint(0, VOCAB, (2, 96), generator=g)
+    ids, pos, labels = _batch()
     auto, sdpa = _model("auto"), _model("sdpa")
     auto(ids, pos, labels).mean().backward()
     assert len(calls) == 2  # one per layer
@@ -97,3 +109,22 @@ def test_auto_keeps_sdpa_while_attention_dropout_is_drawn():
     model.eval()
     assert attention.runs_blocked(qkv)  # evaluation draws none
     assert not attention.runs_blocked(qkv.to(torch.bfloat16))
+
+
+def test_selective_recompute_of_the_blocked_kernel_gives_the_same_gradients():
+    ids, pos, labels = _batch()
+    plain, recomputed = _model("blocked"), _model("blocked", recompute="selective")
+    assert recomputed.encoder.layers[0].self_attention.recompute_core
+    for model in (plain, recomputed):
+        model(ids, pos, labels).mean().backward()
+    for (name, p), q in zip(plain.named_parameters(), recomputed.parameters()):
+        assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+
+
+def test_blocked_refuses_to_train_with_attention_dropout_it_does_not_have():
+    model = _model("blocked", attention_dropout=0.1)
+    ids, pos, labels = _batch()
+    with pytest.raises(UserError, match="attention_dropout"):
+        model(ids, pos, labels)
+    model.eval()
+    model(ids, pos, labels)  # evaluation draws no dropout

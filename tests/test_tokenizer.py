@@ -1,10 +1,12 @@
 """GPT2BPETokenizer: ids equal GPT2TokenizerFast.from_pretrained on both engines; file checks; training."""
 
+import io
 import json
 import random
 import shutil
 import warnings
 
+import numpy as np
 import pytest
 
 from megatron_core.data.tokenizer import (
@@ -281,9 +283,13 @@ def test_probe_verdict_is_cached_per_files_and_can_be_turned_off(tmp_path, monke
     GPT2BPETokenizer(other_vocab, other_merges)
     assert len(probes) == 2 and len(list((tmp_path / "cache").iterdir())) == 4
     other_tables = next(p for p in (tmp_path / "cache").glob("*.npz") if p != tables).read_bytes()
-    # Truncated, empty (a crash before the rename was fsynced), not a zip, or whole but another
-    # vocab's tables (they do not map this vocab's tokens to its ids): all built again, no probe.
-    for damaged in (b"PK not a zip", tables.read_bytes()[:200], b"", other_tables):
+    # Truncated, empty (a crash before the rename was fsynced), not a zip, whole but another vocab's
+    # tables (their digest seals other files), or an earlier version's tables without a digest: all
+    # built again, no probe.
+    with np.load(tables) as whole:
+        undigested = io.BytesIO()
+        np.savez(undigested, **{key: whole[key] for key in whole.files if key != "digest"})
+    for damaged in (b"PK not a zip", tables.read_bytes()[:200], b"", other_tables, undigested.getvalue()):
         tables.write_bytes(damaged)
         capsys.readouterr()
         assert GPT2BPETokenizer(vocab, merges).encode("ab  ab") == built.encode("ab  ab") and len(probes) == 2

@@ -21,10 +21,11 @@ def bias_gelu_reference(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return F.gelu(x + bias, approximate="tanh")
 
 
-def _sigmoid_argument(h: torch.Tensor) -> torch.Tensor:
-    """w = h (C1 + C3 h^2) in two passes over h: addcmul makes C1 + C3 h^2 in one (a 0-dim C1 in h's
-    dtype broadcasts for free), where h*h, *C3, +C1 took three."""
-    return torch.addcmul(h.new_full((), _C1), h, h, value=_C3).mul_(h)
+def _times_c1_plus(h: torch.Tensor, c3: float) -> torch.Tensor:
+    """h (C1 + c3 h^2) in two passes over h: addcmul makes C1 + c3 h^2 in one (a 0-dim C1 in h's dtype
+    broadcasts for free), where h*h, *c3, +C1 took three. With c3 = C3 it is the sigmoid's argument w,
+    with 3 C3 it is h dw/dh."""
+    return torch.addcmul(h.new_full((), _C1), h, h, value=c3).mul_(h)
 
 
 class _BiasGeluSigmoid(torch.autograd.Function):
@@ -37,7 +38,7 @@ class _BiasGeluSigmoid(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         h = x + bias
         ctx.save_for_backward(h)
-        return _sigmoid_argument(h).sigmoid_().mul_(h)
+        return _times_c1_plus(h, _C3).sigmoid_().mul_(h)
 
     @staticmethod
     @once_differentiable
@@ -45,8 +46,8 @@ class _BiasGeluSigmoid(torch.autograd.Function):
         (h,) = ctx.saved_tensors
         # d/dh [h s] = s + h s (1 - s) dw, with w = h (C1 + C3 h^2), s = sigmoid(w), dw = C1 + 3 C3 h^2:
         # two buffers, everything else in place (a fresh CPU buffer costs more than a pass over it).
-        s = _sigmoid_argument(h).sigmoid_()
-        t = torch.addcmul(h.new_full((), _C1), h, h, value=3.0 * _C3).mul_(h)  # h dw
+        s = _times_c1_plus(h, _C3).sigmoid_()
+        t = _times_c1_plus(h, 3.0 * _C3)  # h dw
         t.addcmul_(t, s, value=-1.0)  # h dw (1 - s)
         grad_h = t.add_(1.0).mul_(s).mul_(grad)
         grad_bias = grad_h.reshape(-1, grad_h.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None

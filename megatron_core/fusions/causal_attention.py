@@ -7,8 +7,8 @@ key blocks wholly above the diagonal are skipped, and runs its own backward from
 dS = P (dP - rowsum(dO O)), the identity flash attention uses. One copy lays q, k, v out for the batched
 multiplies (q pre-scaled), and the output and the qkv gradient are written straight into their final layouts.
 
-It keeps the probabilities for the backward: b * heads * s^2 * (nb + 1) / (2 nb) floats per layer (nb query
-blocks), which a CPU has room for at the sequence lengths it trains; GPUs use SDPA's flash kernels. No dropout
+It keeps the probabilities for the backward: about b * heads * s^2 * (nb + 1) / (2 nb) floats per layer (nb
+query blocks; exact when s is a multiple of 64), which a CPU has room for at the sequence lengths it trains; GPUs use SDPA's flash kernels. No dropout
 on the probabilities: the model calls SDPA while attention dropout is active.
 """
 
@@ -21,7 +21,7 @@ from torch.autograd.function import once_differentiable
 
 from megatron_core.errors import UserError
 
-BLOCK_ROWS = 64  # query rows per block: the fastest of 32/64/128 at head_dim 32 and 64 on a 2-core AVX2 CPU
+BLOCK_ROWS = 64  # query rows per block: best or tied among 32/64/128 in scratch timings at head_dim 32 and 64 (2-core AVX2)
 SUPPORTED_DTYPES = (torch.float32, torch.float64)
 
 _MASKS: dict = {}
@@ -45,7 +45,10 @@ class _BlockedCausalAttention(torch.autograd.Function):
         s, b = qkv.shape[:2]
         bh = b * heads
         # [s, b, heads * (q|k|v) * d] -> [3, b*heads, s, d], one copy; q scaled so dK needs no scaling
-        x = qkv.reshape(s, bh, 3, head_dim).permute(2, 1, 0, 3).contiguous()
+        # A fresh buffer, never a view of qkv (for s == b*heads == 1 `.contiguous()` would return one and
+        # the scaling below would write into the caller's tensor).
+        x = torch.empty(3, bh, s, head_dim, dtype=qkv.dtype, device=qkv.device)
+        x.copy_(qkv.reshape(s, bh, 3, head_dim).permute(2, 1, 0, 3))
         x[0].mul_(1.0 / math.sqrt(head_dim))
         q, k, v = x.unbind(0)
         out = torch.empty(s, bh, head_dim, dtype=qkv.dtype, device=qkv.device)  # the context's own layout

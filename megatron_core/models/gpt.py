@@ -186,10 +186,15 @@ class SelfAttention(nn.Module):
     def runs_blocked(self, qkv) -> bool:
         """Whether this call takes the blocked CPU kernel: asked for, or `auto` on a CPU in fp32/fp64
         while no attention dropout is drawn (the kernel has none; SDPA serves that case)."""
+        dropout_drawn = self.training and self.attention_dropout > 0.0
         if self.backend == "blocked":
+            if dropout_drawn:
+                raise UserError(f"attention_backend blocked has no attention dropout, but attention_dropout is "
+                                f"{self.attention_dropout} in training; use --set attention_backend=auto (SDPA "
+                                "while dropout is drawn) or --set attention_dropout=0")
             return True
         return (self.backend == "auto" and qkv.device.type == "cpu" and qkv.dtype in BLOCKED_DTYPES
-                and not (self.training and self.attention_dropout > 0.0))
+                and not dropout_drawn)
 
     def attend(self, qkv):
         """qkv [s, b, 3h/tp] -> context [s, b, h/tp]."""
@@ -386,8 +391,8 @@ class GPTModel(nn.Module):
     def describe_backends(self) -> str:
         attention = {"sdpa": "F.scaled_dot_product_attention", "unfused": "explicit softmax(QK^T)V",
                      "blocked": "blocked causal (CPU)",
-                     "auto": "auto (blocked causal on a CPU in fp32/fp64 without attention dropout, else "
-                             "F.scaled_dot_product_attention)"}
+                     "auto": "auto (blocked causal on a CPU in fp32/fp64 unless training draws attention dropout, "
+                             "else F.scaled_dot_product_attention)"}
         return (f"attention: {attention[self.config.attention_backend]}; {self.ops.describe()}; "
                 f"recompute: {self.parallel.recompute_granularity or 'none'}")
 
