@@ -262,20 +262,6 @@ def timed(setup: Setup, step: Callable[[], float], iters: int, warmup: int) -> d
     return result
 
 
-def _steps_ms(setup: Setup, step: Callable[[], float], count: int) -> float:
-    """Mean ms of `count` consecutive steps, after one untimed step."""
-    losses = [step()]
-    if setup.device.type == "cuda":
-        torch.cuda.synchronize(setup.device)
-    start = time.perf_counter()
-    losses += [step() for _ in range(count)]
-    if setup.device.type == "cuda":
-        torch.cuda.synchronize(setup.device)
-    if not all(math.isfinite(x) for x in losses):
-        raise RuntimeError(f"non-finite loss while benchmarking: {losses}")
-    return (time.perf_counter() - start) * 1e3 / count
-
-
 def paired_rounds(setup: Setup, steps: dict[str, Callable[[], float]], gemm_ms: Callable[[], float],
                   rounds: int, steps_per_round: int = 2) -> dict:
     """The ratios, measured so that a drifting machine cannot skew them. A shared machine's speed moves by
@@ -289,7 +275,7 @@ def paired_rounds(setup: Setup, steps: dict[str, Callable[[], float]], gemm_ms: 
     names = list(steps)
     samples = []
     for index in range(rounds):
-        times = {name: _steps_ms(setup, steps[name], steps_per_round)
+        times = {name: timed(setup, steps[name], steps_per_round, warmup=1)["ms_per_iteration"]
                  for name in (names if index % 2 == 0 else names[::-1])}
         times["gemm"] = gemm_ms()
         samples.append(times)
