@@ -11,7 +11,7 @@ from megatron_core.config import ModelConfig, ParallelConfig
 from megatron_core.convert.shards import ModelShape, read_checkpoint
 
 
-def model_config_for(shape: ModelShape, attention_backend: str = "auto") -> ModelConfig:
+def model_config_for(shape: ModelShape, attention_backend: str = ModelConfig.attention_backend) -> ModelConfig:
     return ModelConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -40,7 +40,7 @@ class MegatronCausalLM(nn.Module):
 
 
 def load_megatron_model(load_dir, iteration=None, dtype: torch.dtype = torch.float32,
-                        attention_backend: str = "auto", fusions=None) -> MegatronCausalLM:
+                        attention_backend: str = ModelConfig.attention_backend, fusions=None) -> MegatronCausalLM:
     """Read + merge every shard of one iteration and load it into a single-process GPTModel (eval mode)."""
     from megatron_core.models.gpt import GPTModel
 
