@@ -48,6 +48,19 @@ def test_gradcheck_across_a_block_boundary():
     assert torch.autograd.gradcheck(lambda t: blocked_causal_attention(t, 2, 4), (qkv,))
 
 
+def test_compiles_under_torch_compile_and_matches_eager():
+    """`training.compile: true` traces the model; this kernel once broke dynamo's trace (a saved tensor
+    aliased the returned view), so a CPU run with compile on crashed in its first step."""
+    heads, head_dim = 2, 4
+    qkv = torch.randn(BLOCK_ROWS + 6, 2, heads * 3 * head_dim)
+    grad = torch.randn(BLOCK_ROWS + 6, 2, heads * head_dim)
+    compiled = torch.compile(blocked_causal_attention, dynamic=False)
+    out, dqkv = outputs_and_grads(compiled, qkv, grad, heads, head_dim)
+    want_out, want_dqkv = outputs_and_grads(blocked_causal_attention, qkv, grad, heads, head_dim)
+    assert_close(out, want_out, rtol=1e-5, atol=1e-6)
+    assert_close(dqkv, want_dqkv, rtol=1e-5, atol=1e-6)
+
+
 def test_causal_the_last_token_changes_nothing_before_it():
     qkv = torch.randn(BLOCK_ROWS + 10, 1, 2 * 3 * 4)
     changed = qkv.clone()

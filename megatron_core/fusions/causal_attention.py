@@ -59,16 +59,19 @@ class _BlockedCausalAttention(torch.autograd.Function):
             p = torch.softmax(scores, dim=-1)
             out[start:end] = torch.bmm(p, v[:, :end]).transpose(0, 1)
             probs.append(p)
-        ctx.save_for_backward(x, out, *probs)
+        context = out.view(s, b, heads * head_dim)
+        # Saved as the returned view, not as `out`: torch.compile refuses a saved intermediate that aliases the output.
+        ctx.save_for_backward(x, context, *probs)
         ctx.head_dim, ctx.qkv_shape = head_dim, qkv.shape
-        return out.view(s, b, heads * head_dim)
+        return context
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: torch.Tensor):
-        x, out, *probs = ctx.saved_tensors
+        x, context, *probs = ctx.saved_tensors
         q, k, v = x.unbind(0)
-        s, bh, d = out.shape
+        bh, s, d = q.shape
+        out = context.view(s, bh, d)
         grad = grad.reshape(s, bh, d)
         rowsum = (grad * out).sum(-1).t().unsqueeze(-1)  # rowsum(dO O) = rowsum(dP P), per query: [bh, s, 1]
         grad_out = grad.transpose(0, 1).contiguous()  # [bh, s, d]
