@@ -157,7 +157,7 @@ class TrainingConfig:
     eval_iters: int = 100
     # Fused-kernel backends: one choice for all, with per-fusion overrides
     # (layer_norm, bias_gelu, bias_dropout_add, softmax, cross_entropy).
-    fusions: Literal["auto", "triton", "apex", "torch"] = "auto"
+    fusions: Literal["auto", "triton", "apex", "compile", "torch"] = "auto"
     fusion_overrides: dict = field(default_factory=dict)
     compile: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -70,6 +70,27 @@ def test_bias_gelu_on_a_cpu_keeps_f_gelu_for_16_bit_inputs():
     torch.testing.assert_close(out, F.gelu(x + bias, approximate="tanh"), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_compiled_bias_gelu_matches_the_tanh_formula_forward_and_backward(dtype, tol):
+    """backend "compile": the torch backend's own forward and backward through torch.compile (inductor's
+    C++ on this CPU); 16-bit inputs too, which inductor computes in fp32 inside its loop."""
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(33, 96, generator=gen, dtype=torch.float64) * 4).to(dtype).requires_grad_()
+    bias = torch.randn(96, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+    grad = torch.randn(33, 96, generator=gen, dtype=torch.float64).to(dtype)
+    ours = bias_gelu(x, bias, backend="compile")
+    assert "BiasGeluSigmoid" in type(ours.grad_fn).__name__
+    got = torch.autograd.grad(ours, (x, bias), grad)
+    exact = [t.detach().double().requires_grad_() for t in (x, bias)]
+    expected = F.gelu(exact[0] + exact[1], approximate="tanh")
+    want = torch.autograd.grad(expected, exact, grad.double())
+    torch.testing.assert_close(ours.double(), expected, rtol=tol, atol=tol)
+    torch.testing.assert_close(got[0].double(), want[0], rtol=tol, atol=tol)
+    torch.testing.assert_close(got[1].double(), want[1], rtol=tol, atol=tol * 40)  # a sum of 33 rows
+    # A frozen bias gets no gradient from the compiled backward either.
+    assert torch.autograd.grad(bias_gelu(x, bias.detach(), backend="compile"), x, grad)[0].shape == x.shape
+
+
 def test_causal_softmax_reference_is_megatron_masked_softmax():
     scores = torch.randn(2, 3, 33, 33)
     keep = torch.tril(torch.ones(33, 33, dtype=torch.bool))
@@ -133,6 +154,17 @@ def test_resolve_backends_on_cpu_and_overrides():
     assert auto.describe() == ("fusions on cpu: layer_norm=torch, bias_gelu=torch, bias_dropout_add=torch, "
                                "softmax=torch, cross_entropy=torch")
     assert resolve_backends("torch", {"softmax": "auto"}, device=torch.device("cpu")).softmax == "torch"
+    # "compile" serves the fusions it has and leaves the others to auto, as "apex" does
+    assert resolve_backends("compile", device="cpu") == FusionBackends(bias_gelu="compile", device="cpu")
+    assert resolve_backends("auto", {"bias_gelu": "compile"}, device="cpu").bias_gelu == "compile"
+
+
+def test_compile_without_a_cpp_compiler_is_a_user_error(monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-c++")
+    with pytest.raises(UserError, match="no-such-c\\+\\+' is not on PATH"):
+        resolve_backends("compile", device="cpu")
+    with pytest.raises(UserError, match="apt install g\\+\\+"):
+        bias_gelu(torch.randn(2, 8), torch.zeros(8), backend="compile")
 
 
 @pytest.mark.parametrize("fusions,overrides,message", [
@@ -141,6 +173,7 @@ def test_resolve_backends_on_cpu_and_overrides():
     ("auto", {"softmax": "apex"}, "Apex has no kernel for softmax"),
     ("apex", None, "Apex kernels need a CUDA device"),
     ("auto", {"layer_norm": "cudnn"}, "unknown backend"),
+    ("auto", {"layer_norm": "compile"}, "there is no compiled layer_norm"),
 ])
 def test_resolve_backends_errors_name_the_problem(fusions, overrides, message):
     with pytest.raises(UserError, match=message):

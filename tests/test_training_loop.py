@@ -186,18 +186,22 @@ def test_megatron_log_line_format(first_run, capsys, corpus, tmp_path):
     assert line.startswith(" [20")
 
 
-def test_compile_true_trains_like_eager(corpus, tmp_path):
-    """`compile: true` (inductor on this CPU) runs the same training: same losses within fp32 noise
-    (dropout off: compiled kernels draw their own masks)."""
+def test_compile_true_and_compiled_fusions_train_like_eager(corpus, tmp_path, capsys):
+    """`compile: true` (the whole stage through inductor on this CPU) and `fusions: compile` (bias-GeLU
+    through torch.compile) run the same training: same losses within fp32 noise (dropout off: compiled
+    kernels draw their own masks)."""
     losses = {}
-    for compile_ in ("false", "true"):
-        run_dir = tmp_path / f"compile-{compile_}"
+    for name, overrides in {"eager": ("training.compile=false",), "compile": ("training.compile=true",),
+                            "fusions": ("fusions=compile",)}.items():
+        run_dir = tmp_path / name
         train(tiny_recipe("train_iters=6", "save_interval=null", "eval_interval=6", "hidden_dropout=0",
-                          "attention_dropout=0", f"training.compile={compile_}"), run_dir, corpus, vocab_size=VOCAB_SIZE)
-        losses[compile_] = train_losses(read_metrics(run_dir))
-    assert sorted(losses["true"]) == sorted(losses["false"]) == list(range(1, 7))
-    for it, loss in losses["true"].items():
-        assert loss == pytest.approx(losses["false"][it], rel=1e-4), it
+                          "attention_dropout=0", *overrides), run_dir, corpus, vocab_size=VOCAB_SIZE)
+        losses[name] = train_losses(read_metrics(run_dir))
+    assert "bias_gelu[tanh]=compile" in capsys.readouterr().out  # the start-up log names what ran
+    for name in ("compile", "fusions"):
+        assert sorted(losses[name]) == sorted(losses["eager"]) == list(range(1, 7))
+        for it, loss in losses[name].items():
+            assert loss == pytest.approx(losses["eager"][it], rel=1e-4), (name, it)
 
 
 @pytest.mark.parametrize("device, backend", [("cpu", "gloo"), ("auto", None)])
