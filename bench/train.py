@@ -156,7 +156,7 @@ def build_ours(setup: Setup):
         return loss if ok else float("nan")
 
     description = {"backends": f"{fusions.describe()}; {optimizer.description}; model: {inner.describe_backends()}; "
-                               f"compile: {recipe.training.compile}",
+                               f"training.compile: {recipe.training.compile}",
                    "precision_regime": train_lib.precision_regime(recipe),
                    "grad_buffer_mb": model.grad_sync.grad_buffer_bytes / 2**20}
     return step, inner, description

@@ -187,12 +187,12 @@ def test_megatron_log_line_format(first_run, capsys, corpus, tmp_path):
 
 
 def test_compile_true_and_compiled_fusions_train_like_eager(corpus, tmp_path, capsys):
-    """`compile: true` (the whole stage through inductor on this CPU) and `fusions: compile` (bias-GeLU
-    through torch.compile) run the same training: same losses within fp32 noise (dropout off: compiled
-    kernels draw their own masks)."""
+    """`compile: true` (the whole stage through inductor on this CPU), `fusions: compile` (bias-GeLU
+    through torch.compile) and both together run the same training: same losses within fp32 noise
+    (dropout off: compiled kernels draw their own masks)."""
     losses = {}
-    for name, overrides in {"eager": ("training.compile=false",), "compile": ("training.compile=true",),
-                            "fusions": ("fusions=compile",)}.items():
+    for name, overrides in {"eager": ("training.compile=false",), "fusions": ("fusions=compile",),
+                            "compile": ("training.compile=true", "fusions=compile")}.items():
         run_dir = tmp_path / name
         train(tiny_recipe("train_iters=6", "save_interval=null", "eval_interval=6", "hidden_dropout=0",
                           "attention_dropout=0", *overrides), run_dir, corpus, vocab_size=VOCAB_SIZE)

@@ -3,10 +3,9 @@
 Backends: "triton" (our @triton.jit kernels), "apex" (NVIDIA Apex, LayerNorm only), "compile" (the torch
 backend's own formulas through torch.compile, as Megatron's ``jit_fuser`` does: inductor fuses each into
 generated C++ loops on a CPU, Triton kernels on CUDA; bias-GeLU only), "torch" (the plain
-PyTorch reference). "auto" means Triton on CUDA and torch on a CPU: "compile" is asked for, not chosen,
-because on a 2-core AVX2 CPU it made bias-GeLU alone faster (8-9 -> 6 ms forward and backward at [2048, 512])
-but the whole codeparrot-tiny step no faster than the noise of alternating runs, and it costs a compile at
-start-up. Apex is used for LayerNorm only when it is asked for (``fusions: apex`` or an override), never
+PyTorch reference). "auto" means Triton on CUDA and torch on a CPU: "compile" is asked for, not chosen
+(it made bias-GeLU faster but not the whole step beyond the noise, and costs a compile at start-up; the
+figures are at _COMPILE_FUSIONS). Apex is used for LayerNorm only when it is asked for (``fusions: apex`` or an override), never
 picked behind the user's back.
 
 Triton on a CPU works only through Triton's interpreter, which must be switched on with TRITON_INTERPRET=1
@@ -16,10 +15,8 @@ import time). The tests do this; anything else asking for "triton" on a CPU gets
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
-import shutil
 from dataclasses import dataclass
 
 import torch
@@ -94,25 +91,47 @@ def triton_problem(device) -> str | None:
     return problem
 
 
+# Device types on which torch.compile was found usable: checked once, not on every fusion call (the
+# check searches PATH, which would also break a whole-model torch.compile trace into pieces).
+_COMPILE_USABLE_ON: set[str] = set()
+_COMPILED: dict = {}
+
+
+def _cpp_compiler_problem() -> str | None:
+    # Lazy: importing inductor takes a second, and only "compile" needs it.
+    from torch._inductor import cpp_builder
+
+    try:
+        cpp_builder.get_cpp_compiler()  # the compiler inductor itself will run (CXX, read when inductor loads)
+    except Exception as exc:  # inductor's own InvalidCxxCompiler, or whatever its search raises
+        return (f"torch.compile builds CPU kernels with a C++ compiler and found none ({exc}); "
+                "apt install g++ (or set CXX before starting Python), or use 'torch'")
+    return None
+
+
 def compile_problem(device) -> str | None:
     """Why torch.compile cannot build the fusions for `device`, or None when it can."""
     kind = _device_type(device)
-    if kind == "cpu":
-        compiler = os.environ.get("CXX", "g++")
-        if shutil.which(compiler) is None:
-            return (f"torch.compile builds CPU kernels with a C++ compiler and {compiler!r} is not on PATH "
-                    "(apt install g++, or set CXX), or use 'torch'")
+    if kind in _COMPILE_USABLE_ON:
         return None
-    if kind == "cuda":
-        return _triton_import_problem() or (None if torch.cuda.is_available() else "no CUDA device is available")
-    return f"torch.compile fusions are not supported on device type {kind!r}"
+    if kind == "cpu":
+        problem = _cpp_compiler_problem()
+    elif kind == "cuda":
+        problem = _triton_import_problem() or (None if torch.cuda.is_available() else "no CUDA device is available")
+    else:
+        problem = f"torch.compile fusions are not supported on device type {kind!r}"
+    if problem is None:
+        _COMPILE_USABLE_ON.add(kind)
+    return problem
 
 
-@functools.cache
 def compiled(fn):
-    """`fn` through torch.compile, built once per function (inductor compiles on the first call and again
-    only for a new dtype or a shape it has not generalized yet; its on-disk cache serves later processes)."""
-    return torch.compile(fn)
+    """`fn` through torch.compile, wrapped once per function. Inductor compiles on the first call and again
+    for each new dtype or flag argument, or a shape it has not generalized yet; its on-disk cache serves
+    later processes. (A plain dict, not functools.cache, which a whole-model trace cannot see through.)"""
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn)
+    return _COMPILED[fn]
 
 
 def apex_problem(device) -> str | None:
