@@ -14,7 +14,9 @@ ROOT = Path(megatron_core.fusions.__file__).parent
 # Modules of the package that a kernel module may import: the shared launch helpers and what sits below
 # the dispatchers. Everything else in fusions/ (the dispatchers, backends, the package itself) is above.
 KERNEL_MAY_IMPORT = {f"{PACKAGE}.triton_kernels._common", f"{PACKAGE}._collectives", f"{PACKAGE}.triton_kernels"}
-LAZY_ALLOWED_PREFIXES = ("triton", "apex", f"{PACKAGE}.triton_kernels.")
+# Optional or heavy imports that only one backend needs: triton, apex, our kernels, and inductor (seconds to
+# import, only for backend "compile").
+LAZY_ALLOWED_PREFIXES = ("triton", "apex", f"{PACKAGE}.triton_kernels.", "torch._inductor")
 
 
 def module_name(path: Path) -> str:
