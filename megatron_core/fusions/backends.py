@@ -98,7 +98,7 @@ _COMPILED: dict = {}
 
 
 def _cpp_compiler_problem() -> str | None:
-    # Lazy: importing inductor takes a second, and only "compile" needs it.
+    # Lazy: importing inductor took 10 s cold here, and only "compile" needs it.
     from torch._inductor import cpp_builder
 
     try:
