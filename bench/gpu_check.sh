@@ -1,45 +1,91 @@
 #!/usr/bin/env bash
-# One short GPU session that gives every GPU figure of the fused-kernel issue, checks first, then times:
-#   1. the environment report (torch, CUDA, NCCL, Apex, Triton);
+# One short GPU session that gives every GPU figure of the fused-kernel and speed issues, checks first, then times:
+#   1. the environment report (torch, CUDA, NCCL, Apex, Triton, the host CPU's bf16 units);
 #   2. every Triton kernel against its PyTorch reference, forward and backward, compiled for this GPU;
-#   3. bench.kernels: GB/s of each fusion against the measured copy bandwidth, and speedup over eager;
-#   4. bench.train: CodeParrot-small (12x768x12, seq 1024, micro 12, global 192) in bf16 on one GPU,
-#      ours against transformers' GPT2LMHeadModel + torch AdamW (tokens/s, TFLOP/s, MFU, peak memory).
+#   3. bench.train: CodeParrot-small (12x768x12, seq 1024, micro 12, global 192) in bf16 on one GPU,
+#      ours against transformers' GPT2LMHeadModel + torch AdamW (tokens/s, TFLOP/s, MFU, peak memory,
+#      fraction_of_gemm); then the same shape with dropout off and a smaller global batch, where the first
+#      steps' losses of the two sides must agree (the same-work check is only enforced without dropout);
+#   4. bench.kernels: GB/s of each fusion against the measured copy bandwidth, and speedup over eager;
+#   5. where the host CPU has bf16 matrix units (AMX or AVX512-BF16), issue 15's CPU bf16 command.
 # The CodeParrot data and tokenizer come from the Hub; offline, the same model is fed the Python stdlib
-# corpus with a 32768-token BPE trained on it (same shapes, same FLOPs).
-# JSON (and the chart) land in bench/results/, and are copied to $OUT when it is set (the device tool).
+# corpus with a 32768-token BPE trained on it (same shapes, same FLOPs). WORK may hold those steps
+# already built (bench.train reuses a step whose manifest exists).
+# Each part runs under its own time limit and a failing part does not stop the next; the exit status
+# says whether all passed. JSON (and charts) land in bench/results/; the files this run wrote are
+# copied to $OUT when it is set (the device tool brings back at most 8 files).
 #
 #   bash bench/gpu_check.sh          # about 5 minutes on one H100/H200; needs torch, triton, transformers
-set -euo pipefail
+set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
 WORK=${WORK:-/tmp/megatron-recipes-gpu-check}
-ITERS=${ITERS:-10}
+ITERS=${ITERS:-6}
 if [ -n "${TRITON_INTERPRET:-}" ]; then
   echo "error: TRITON_INTERPRET=$TRITON_INTERPRET is set; this check compiles the kernels for the GPU, unset it" >&2
   exit 2
 fi
+STARTED=$(mktemp)  # results newer than this file are this run's
+FAILED=()
+
+part() {  # part NAME SECONDS COMMAND...: run under a time limit, record a failure, go on
+  local name=$1 limit=$2 start rc
+  shift 2
+  echo "== $name (limit ${limit} s)"
+  start=$(date +%s)
+  timeout "$limit" "$@"
+  rc=$?
+  echo "== $name: exit $rc after $(($(date +%s) - start)) s"
+  [ "$rc" -eq 0 ] || FAILED+=("$name")
+  if [ -n "${OUT:-}" ]; then  # after each part: a run cut short still brings back what it measured
+    find bench/results -type f -newer "$STARTED" \( -name 'train-*' -o -name 'kernels-*' \) -exec cp {} "$OUT"/ \;
+  fi
+  return "$rc"
+}
+
+OFFLINE_DATA=(--set 'corpus.sources=[{type: python-stdlib}]' --set tokenizer.hf_tokenizer=null)
+GPU_BF16=(--set fp16=false --set bf16=true --set device=cuda --set fusions=auto)
 
 echo "== environment"
 "$PY" -m megatron_core.doctor || true
-"$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU visible'; print(torch.cuda.get_device_name())"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv || true
+grep -m1 'model name' /proc/cpuinfo || true
+CPU_BF16=$(grep -m1 -o -w -E 'amx_bf16|avx512_bf16' /proc/cpuinfo || true)
+echo "host CPU bf16 matrix units: ${CPU_BF16:-none}; cores: $(nproc)"
+"$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU visible'; print(torch.cuda.get_device_name())" \
+  || exit 1
 
-echo "== fused kernels vs references on the GPU (compiled mode required)"
 # Compiled for this GPU on CUDA tensors: the test fails unless that mode ran, and prints it.
-MEGATRON_FUSIONS_TEST_MODE=compiled "$PY" -m pytest -q -p no:cacheprovider -x tests/test_fusions_triton.py \
-  tests/test_fusions_reference.py
+XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 8" || true)
+MEGATRON_FUSIONS_TEST_MODE=compiled part "fused kernels vs references, compiled for this GPU" 150 \
+  "$PY" -m pytest -q -p no:cacheprovider $XDIST tests/test_fusions_triton.py tests/test_fusions_reference.py
 
-echo "== bench.kernels"
-"$PY" -m bench.kernels --dtype bf16 --iters 50
+part "bench.train codeparrot-small, bf16, one GPU, vs transformers" 200 \
+  "$PY" -m bench.train --recipe codeparrot-small-1gpu --workdir "$WORK" --baseline hf \
+  --iters "$ITERS" --warmup 2 --repeats 2 --rounds 6 --profile-steps 2 "${OFFLINE_DATA[@]}" "${GPU_BF16[@]}" \
+  || part "bench.train again with fusions=torch (the Triton kernels failed above)" 200 \
+    "$PY" -m bench.train --recipe codeparrot-small-1gpu --workdir "$WORK" --baseline hf \
+    --iters "$ITERS" --warmup 2 --repeats 1 --rounds 4 --profile-steps 2 "${OFFLINE_DATA[@]}" "${GPU_BF16[@]}" \
+    --set fusions=torch
 
-echo "== bench.train codeparrot-small, bf16, one GPU, vs transformers"
-"$PY" -m bench.train --recipe codeparrot-small-1gpu --workdir "$WORK" --baseline hf \
-  --iters "$ITERS" --warmup 3 --repeats 2 \
-  --set 'corpus.sources=[{type: python-stdlib}]' --set tokenizer.hf_tokenizer=null \
-  --set fp16=false --set bf16=true --set device=cuda --set fusions=auto
+part "bench.train same-work check: dropout off, global batch 24" 90 \
+  "$PY" -m bench.train --recipe codeparrot-small-1gpu --workdir "$WORK" --baseline hf \
+  --iters 2 --warmup 1 --repeats 1 --rounds 2 --profile-steps 0 "${OFFLINE_DATA[@]}" "${GPU_BF16[@]}" \
+  --set hidden_dropout=0 --set attention_dropout=0 --set global_batch_size=24
 
-if [ -n "${OUT:-}" ]; then
-  cp bench/results/kernels-*.json bench/results/train-*.json bench/results/train-*.png "$OUT"/ 2>/dev/null || true
+part "bench.kernels bf16" 60 "$PY" -m bench.kernels --dtype bf16 --iters 50
+
+if [ -n "$CPU_BF16" ]; then
+  part "bench.train issue 15's CPU bf16 shape on this host's CPU ($CPU_BF16)" 120 \
+    "$PY" -m bench.train --recipe codeparrot-tiny --workdir "$WORK" --baseline hf --iters 6 --repeats 2 --rounds 8 \
+    --set device=cpu --set bf16=true --set num_layers=12 --set hidden_size=768 --set num_attention_heads=12 \
+    --set seq_length=256 --set max_position_embeddings=256 --set micro_batch_size=2 --set global_batch_size=4
+fi
+
+rm -f "$STARTED"
+if [ "${#FAILED[@]}" -gt 0 ]; then
+  printf 'gpu check: FAILED: %s\n' "${FAILED[@]}"
+  exit 1
 fi
 echo "gpu check: ok"
