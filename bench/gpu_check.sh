@@ -15,7 +15,9 @@
 # says whether all passed. JSON (and charts) land in bench/results/; the files this run wrote are
 # copied to $OUT when it is set (the device tool brings back at most 8 files).
 #
-#   bash bench/gpu_check.sh          # about 5 minutes on one H100/H200; needs torch, triton, transformers
+#   bash bench/gpu_check.sh          # 7-8 minutes on one H200 (first run: 10); needs torch, triton, transformers
+# On the H200 image (Triton 3.6, NumPy 2.5) test_vocab_parallel_cross_entropy_on_two_gloo_ranks fails inside
+# Triton's CPU interpreter (int() of a 1-element array, which NumPy 2.5 refuses); the GPU cases all pass.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -61,10 +63,10 @@ XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 8" || true)
 MEGATRON_FUSIONS_TEST_MODE=compiled part "fused kernels vs references, compiled for this GPU" 150 \
   "$PY" -m pytest -q -p no:cacheprovider $XDIST tests/test_fusions_triton.py tests/test_fusions_reference.py
 
-part "bench.train codeparrot-small, bf16, one GPU, vs transformers" 200 \
+part "bench.train codeparrot-small, bf16, one GPU, vs transformers" 240 \
   "$PY" -m bench.train --recipe codeparrot-small-1gpu --workdir "$WORK" --baseline hf \
-  --iters "$ITERS" --warmup 2 --repeats 2 --rounds 6 --profile-steps 2 "${OFFLINE_DATA[@]}" "${GPU_BF16[@]}" \
-  || part "bench.train again with fusions=torch (the Triton kernels failed above)" 200 \
+  --iters "$ITERS" --warmup 2 --repeats 1 --rounds 5 --profile-steps 2 "${OFFLINE_DATA[@]}" "${GPU_BF16[@]}" \
+  || part "bench.train again with fusions=torch (the run above failed)" 180 \
     "$PY" -m bench.train --recipe codeparrot-small-1gpu --workdir "$WORK" --baseline hf \
     --iters "$ITERS" --warmup 2 --repeats 1 --rounds 4 --profile-steps 2 "${OFFLINE_DATA[@]}" "${GPU_BF16[@]}" \
     --set fusions=torch
@@ -77,8 +79,8 @@ part "bench.train same-work check: dropout off, global batch 24" 90 \
 part "bench.kernels bf16" 60 "$PY" -m bench.kernels --dtype bf16 --iters 50
 
 if [ -n "$CPU_BF16" ]; then
-  part "bench.train issue 15's CPU bf16 shape on this host's CPU ($CPU_BF16)" 120 \
-    "$PY" -m bench.train --recipe codeparrot-tiny --workdir "$WORK" --baseline hf --iters 6 --repeats 2 --rounds 8 \
+  part "bench.train issue 15's CPU bf16 shape on this host's CPU ($CPU_BF16)" 180 \
+    "$PY" -m bench.train --recipe codeparrot-tiny --workdir "$WORK" --baseline hf --iters 4 --repeats 1 --rounds 6 \
     --set device=cpu --set bf16=true --set num_layers=12 --set hidden_size=768 --set num_attention_heads=12 \
     --set seq_length=256 --set max_position_embeddings=256 --set micro_batch_size=2 --set global_batch_size=4
 fi

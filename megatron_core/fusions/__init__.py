@@ -1,6 +1,7 @@
 """Fused kernels behind one small function each, with a `backend=` argument: "triton" (our Triton kernels),
 "apex" (LayerNorm only), "compile" (the reference through torch.compile; bias-GeLU), "torch" (the plain
-reference) or "auto" (Triton on CUDA, torch on a CPU).
+reference) or "auto" (on CUDA, Triton where our kernel beat PyTorch on an H200: softmax and cross entropy;
+torch otherwise and on a CPU).
 
 Resolve once at start-up with `resolve_backends(recipe.training.fusions, overrides, device)`, log
 `FusionBackends.describe()`, and pass the chosen names to the calls (e.g. `backend=backends.layer_norm`).
