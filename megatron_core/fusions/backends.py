@@ -51,8 +51,7 @@ def _device_type(device) -> str:
         raise UserError(f"unknown device {device!r}; use 'cpu' or 'cuda[:N]'") from exc
 
 
-# Device types on which Triton was found usable; that cannot change later in the process, so every
-# call after the first (and a torch.compile trace) skips the checks.
+# Device types on which Triton was found usable (see _usable_once).
 _TRITON_USABLE_ON: set[str] = set()
 
 
@@ -77,30 +76,40 @@ def _triton_interpreter_problem() -> str | None:
     return None
 
 
-def triton_problem(device) -> str | None:
-    """Why Triton cannot run on `device`, or None when it can."""
-    kind = _device_type(device)
-    if kind in _TRITON_USABLE_ON:
+def _usable_once(usable_on: set[str], kind: str, find_problem) -> str | None:
+    """None when device type `kind` passed before, else `find_problem(kind)`, remembered in `usable_on` when it
+    finds none: usability cannot change later in the process, and a remembered answer keeps the checks out
+    of every fusion call (and out of a torch.compile trace)."""
+    if kind in usable_on:
         return None
-    problem = _triton_import_problem()
+    problem = find_problem(kind)
     if problem is None:
-        if kind == "cuda":
-            if not torch.cuda.is_available():
-                problem = "no CUDA device is available to this process"
-            elif os.environ.get("TRITON_INTERPRET") == "1":
-                problem = ("TRITON_INTERPRET=1 is set, so the kernels would run in Triton's interpreter on host copies "
-                           "of the CUDA tensors, not compiled for the GPU; unset it")
-        elif kind == "cpu":
-            problem = _triton_interpreter_problem()
-        else:
-            problem = f"Triton kernels are not supported on device type {kind!r}"
-    if problem is None:
-        _TRITON_USABLE_ON.add(kind)
+        usable_on.add(kind)
     return problem
 
 
-# Device types on which torch.compile was found usable: checked once, not on every fusion call (the
-# check searches PATH, which would also break a whole-model torch.compile trace into pieces).
+def _triton_problem_on(kind: str) -> str | None:
+    problem = _triton_import_problem()
+    if problem is not None:
+        return problem
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            return "no CUDA device is available to this process"
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            return ("TRITON_INTERPRET=1 is set, so the kernels would run in Triton's interpreter on host copies "
+                    "of the CUDA tensors, not compiled for the GPU; unset it")
+        return None
+    if kind == "cpu":
+        return _triton_interpreter_problem()
+    return f"Triton kernels are not supported on device type {kind!r}"
+
+
+def triton_problem(device) -> str | None:
+    """Why Triton cannot run on `device`, or None when it can."""
+    return _usable_once(_TRITON_USABLE_ON, _device_type(device), _triton_problem_on)
+
+
+# Device types on which torch.compile was found usable (see _usable_once).
 _COMPILE_USABLE_ON: set[str] = set()
 _COMPILED: dict = {}
 
@@ -117,20 +126,17 @@ def _cpp_compiler_problem() -> str | None:
     return None
 
 
+def _compile_problem_on(kind: str) -> str | None:
+    if kind == "cpu":
+        return _cpp_compiler_problem()
+    if kind == "cuda":
+        return _triton_import_problem() or (None if torch.cuda.is_available() else "no CUDA device is available")
+    return f"torch.compile fusions are not supported on device type {kind!r}"
+
+
 def compile_problem(device) -> str | None:
     """Why torch.compile cannot build the fusions for `device`, or None when it can."""
-    kind = _device_type(device)
-    if kind in _COMPILE_USABLE_ON:
-        return None
-    if kind == "cpu":
-        problem = _cpp_compiler_problem()
-    elif kind == "cuda":
-        problem = _triton_import_problem() or (None if torch.cuda.is_available() else "no CUDA device is available")
-    else:
-        problem = f"torch.compile fusions are not supported on device type {kind!r}"
-    if problem is None:
-        _COMPILE_USABLE_ON.add(kind)
-    return problem
+    return _usable_once(_COMPILE_USABLE_ON, _device_type(device), _compile_problem_on)
 
 
 def compiled(fn):
