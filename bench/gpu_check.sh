@@ -5,7 +5,8 @@
 #   3. bench.train: CodeParrot-small (12x768x12, seq 1024, micro 12, global 192) in bf16 on one GPU,
 #      ours against transformers' GPT2LMHeadModel + torch AdamW (tokens/s, TFLOP/s, MFU, peak memory,
 #      fraction_of_gemm); then the same shape with dropout off and a smaller global batch, where the first
-#      steps' losses of the two sides must agree (the same-work check is only enforced without dropout);
+#      steps' losses of the two sides must agree (the same-work check is only enforced without dropout), with
+#      `auto` and with every fusion on Triton;
 #   4. bench.kernels: GB/s of each fusion against the measured copy bandwidth, and speedup over eager;
 #   5. where the host CPU has bf16 matrix units (AMX or AVX512-BF16), issue 15's CPU bf16 command.
 # The CodeParrot data and tokenizer come from the Hub; offline, the same model is fed the Python stdlib
@@ -15,9 +16,10 @@
 # says whether all passed. JSON (and charts) land in bench/results/; the files this run wrote are
 # copied to $OUT when it is set (the device tool brings back at most 8 files).
 #
-#   bash bench/gpu_check.sh          # 7-8 minutes on one H200 (first run: 10); needs torch, triton, transformers
+#   bash bench/gpu_check.sh          # about 7 minutes on one H200 (all parts' limits: 10); needs torch, triton, transformers
 # On the H200 image (Triton 3.6, NumPy 2.5) test_vocab_parallel_cross_entropy_on_two_gloo_ranks fails inside
-# Triton's CPU interpreter (int() of a 1-element array, which NumPy 2.5 refuses); the GPU cases all pass.
+# Triton's CPU interpreter (int() of a 1-element array, which NumPy 2.5 refuses), so it is left out here.
+# A part that fails stays in the FAILED list even when its fallback passes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -29,6 +31,7 @@ if [ -n "${TRITON_INTERPRET:-}" ]; then
   exit 2
 fi
 STARTED=$(mktemp)  # results newer than this file are this run's
+trap 'rm -f "$STARTED"' EXIT
 FAILED=()
 
 part() {  # part NAME SECONDS COMMAND...: run under a time limit, record a failure, go on
@@ -36,12 +39,13 @@ part() {  # part NAME SECONDS COMMAND...: run under a time limit, record a failu
   shift 2
   echo "== $name (limit ${limit} s)"
   start=$(date +%s)
-  timeout "$limit" "$@"
+  timeout -k 15 "$limit" "$@"
   rc=$?
   echo "== $name: exit $rc after $(($(date +%s) - start)) s"
   [ "$rc" -eq 0 ] || FAILED+=("$name")
   if [ -n "${OUT:-}" ]; then  # after each part: a run cut short still brings back what it measured
-    find bench/results -type f -newer "$STARTED" \( -name 'train-*' -o -name 'kernels-*' \) -exec cp {} "$OUT"/ \;
+    find bench/results -type f -newer "$STARTED" -name '*.json' \( -name 'train-*' -o -name 'kernels-*' \) \
+      -exec cp {} "$OUT"/ \;
   fi
   return "$rc"
 }
@@ -53,39 +57,47 @@ echo "== environment"
 "$PY" -m megatron_core.doctor || true
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv || true
 grep -m1 'model name' /proc/cpuinfo || true
-CPU_BF16=$(grep -m1 -o -w -E 'amx_bf16|avx512_bf16' /proc/cpuinfo || true)
+CPU_BF16=$(grep -m1 -o -w -E 'amx_bf16|avx512_bf16' /proc/cpuinfo | paste -sd, || true)
 echo "host CPU bf16 matrix units: ${CPU_BF16:-none}; cores: $(nproc)"
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU visible'; print(torch.cuda.get_device_name())" \
   || exit 1
 
-# Compiled for this GPU on CUDA tensors: the test fails unless that mode ran, and prints it.
+# Compiled for this GPU on CUDA tensors: the tests fail unless that mode ran. The gloo-rank cross-entropy test
+# runs CPU ranks in Triton's interpreter, not the GPU: left out (see the header for why it fails there).
 XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 8" || true)
-MEGATRON_FUSIONS_TEST_MODE=compiled part "fused kernels vs references, compiled for this GPU" 150 \
-  "$PY" -m pytest -q -p no:cacheprovider $XDIST tests/test_fusions_triton.py tests/test_fusions_reference.py
+MEGATRON_FUSIONS_TEST_MODE=compiled part "fused kernels vs references, compiled for this GPU" 120 \
+  "$PY" -m pytest -q -p no:cacheprovider $XDIST tests/test_fusions_triton.py tests/test_fusions_reference.py \
+  --deselect tests/test_fusions_reference.py::test_vocab_parallel_cross_entropy_on_two_gloo_ranks
 
 part "bench.train codeparrot-small, bf16, one GPU, vs transformers" 240 \
   "$PY" -m bench.train --recipe codeparrot-small-1gpu --workdir "$WORK" --baseline hf \
-  --iters "$ITERS" --warmup 2 --repeats 1 --rounds 5 --profile-steps 2 "${OFFLINE_DATA[@]}" "${GPU_BF16[@]}" \
-  || part "bench.train again with fusions=torch (the run above failed)" 180 \
+  --iters "$ITERS" --warmup 2 --repeats 1 --rounds 5 --profile-steps 2 "${OFFLINE_DATA[@]}" "${GPU_BF16[@]}"
+rc=$?
+if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$rc" -ne 137 ]; then  # it broke (not cut off): try without our kernels
+  part "bench.train again with fusions=torch (the run above failed)" 180 \
     "$PY" -m bench.train --recipe codeparrot-small-1gpu --workdir "$WORK" --baseline hf \
     --iters "$ITERS" --warmup 2 --repeats 1 --rounds 4 --profile-steps 2 "${OFFLINE_DATA[@]}" "${GPU_BF16[@]}" \
     --set fusions=torch
+fi
 
-part "bench.train same-work check: dropout off, global batch 24" 90 \
-  "$PY" -m bench.train --recipe codeparrot-small-1gpu --workdir "$WORK" --baseline hf \
-  --iters 2 --warmup 1 --repeats 1 --rounds 2 --profile-steps 0 "${OFFLINE_DATA[@]}" "${GPU_BF16[@]}" \
-  --set hidden_dropout=0 --set attention_dropout=0 --set global_batch_size=24
+# Dropout off, so the first 3 steps' losses must match transformers' (bench.train raises otherwise): with
+# `auto` and with every fusion on Triton (stop 20 saw all-Triton drift 1.0e-3 at step 3, all-torch 2e-6).
+for fusions in auto triton; do
+  part "bench.train same-work check: dropout off, global batch 24, fusions=$fusions" 90 \
+    "$PY" -m bench.train --recipe codeparrot-small-1gpu --workdir "$WORK" --baseline hf \
+    --iters 2 --warmup 1 --repeats 1 --rounds 2 --profile-steps 0 "${OFFLINE_DATA[@]}" "${GPU_BF16[@]}" \
+    --set hidden_dropout=0 --set attention_dropout=0 --set global_batch_size=24 --set fusions=$fusions
+done
 
 part "bench.kernels bf16" 60 "$PY" -m bench.kernels --dtype bf16 --iters 50
 
 if [ -n "$CPU_BF16" ]; then
-  part "bench.train issue 15's CPU bf16 shape on this host's CPU ($CPU_BF16)" 180 \
+  part "bench.train issue 15's CPU bf16 shape on this host's CPU ($CPU_BF16)" 150 \
     "$PY" -m bench.train --recipe codeparrot-tiny --workdir "$WORK" --baseline hf --iters 4 --repeats 1 --rounds 6 \
     --set device=cpu --set bf16=true --set num_layers=12 --set hidden_size=768 --set num_attention_heads=12 \
     --set seq_length=256 --set max_position_embeddings=256 --set micro_batch_size=2 --set global_batch_size=4
 fi
 
-rm -f "$STARTED"
 if [ "${#FAILED[@]}" -gt 0 ]; then
   printf 'gpu check: FAILED: %s\n' "${FAILED[@]}"
   exit 1

@@ -9,7 +9,7 @@ is `transformers.GPT2LMHeadModel` (SDPA attention) + `torch.optim.AdamW` (fused 
 a CPU, as a user of transformers would write it; ours runs torch's fused AdamW on a CPU too) with the same model size, starting weights (ours, converted), data, micro batches, gradient
 accumulation, precision (bf16/fp16: 16-bit weights and fp32 master copies on both sides), weight-decay groups, Adam settings, LR schedule and
 clipping. Before timing, one step of each from the same weights must give the same loss when dropout
-is off, and in fp32 the next steps must stay close (otherwise the two would not be doing the same
+is off, and in fp32 and bf16 the next two steps must stay close (otherwise the two would not be doing the same
 work). Runs alternate (ours, hf, hf, ours, ...) in one process; each side keeps its best run for its
 absolute figures. The ratios (ours over the baseline, fraction_of_gemm, ratio_bound) come from --rounds
 paired rounds instead: two steps of each side (after an untimed one) and one pass of the model's
@@ -363,9 +363,12 @@ def _run(setup, recipe, overrides, iters, warmup, repeats, baseline, write, echo
         if no_dropout and check["relative_difference"] > tolerance:
             raise RuntimeError(f"ours and the baseline disagree on the first step's loss from the same weights "
                                f"({ours_loss:.6f} vs {hf_loss:.6f}): they are not doing the same work")
-        if no_dropout and setup.precision == "fp32" and check["max_relative_difference_3_steps"] > 1e-3:
+        # bf16 too: on an H200 all-PyTorch fusions stayed within 2e-6 of transformers over 3 steps while
+        # all-Triton ones drifted 1.0e-3 at step 3; codeparrot-tiny in bf16 on a CPU stays within 3e-5.
+        drift_tolerance = {"fp32": 1e-3, "bf16": 5e-4}.get(setup.precision)
+        if no_dropout and drift_tolerance and check["max_relative_difference_3_steps"] > drift_tolerance:
             raise RuntimeError(f"ours and the baseline drift apart within 3 steps ({ours_losses} vs {hf_losses}): "
-                               "their optimizers are not doing the same work")
+                               "they are not doing the same work")
         echo(f"same work: losses of the first 3 steps, ours {', '.join(f'{x:.6f}' for x in ours_losses)}; "
              f"transformers {', '.join(f'{x:.6f}' for x in hf_losses)}")
         del step, ours_model, hf_step

@@ -340,7 +340,7 @@ def _dp2_signal_one_rank(run_dir: str, corpus: str) -> dict:
 def test_a_signal_on_one_rank_stops_every_rank_after_the_same_iteration(corpus, tmp_path):
     from distributed_utils import run_distributed
 
-    ranks = run_distributed(_dp2_signal_one_rank, 2, str(tmp_path), corpus, timeout=120)
+    ranks = run_distributed(_dp2_signal_one_rank, 2, str(tmp_path), corpus)
     assert ranks == [{"iteration": 3, "stopped_by": "SIGTERM"}] * 2
     assert ckpt.read_tracker(tmp_path / "checkpoints") == 3
 
@@ -369,5 +369,5 @@ def test_ranks_that_found_different_latest_checkpoints_are_stopped(tmp_path):
     """A node whose disk lacks the tracker must not start from scratch beside ranks that resume."""
     from distributed_utils import run_distributed
 
-    errors = run_distributed(_latest_on_each_rank, 2, str(tmp_path), timeout=120)
+    errors = run_distributed(_latest_on_each_rank, 2, str(tmp_path))
     assert all(e is not None and "different latest checkpoints" in e and "from none to 6" in e for e in errors), errors

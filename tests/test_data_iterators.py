@@ -80,7 +80,7 @@ def _tp2_batches():
 
 
 def test_tensor_parallel_rank_zero_reads_and_broadcasts():
-    results = sorted(run_distributed(_tp2_batches, 2, timeout=120))
+    results = sorted(run_distributed(_tp2_batches, 2))
     (_, first, reads0), (_, second, reads1) = results
     assert first == second and len(first) == 6  # 12 samples, micro batch 2, then the end reaches both
     assert reads0 == 12 and reads1 == 0
@@ -112,7 +112,7 @@ def _tp2_reader_error():
 
 
 def test_a_reader_error_on_tp_rank_zero_stops_every_rank_instead_of_hanging():
-    (_, got0, error0), (_, got1, error1) = sorted(run_distributed(_tp2_reader_error, 2, timeout=120))
+    (_, got0, error0), (_, got1, error1) = sorted(run_distributed(_tp2_reader_error, 2))
     assert got0 == got1 == 2  # samples 0-3 arrived before the broken one
     assert error0 == "ValueError: corrupt sample 4"
     assert error1 is not None and "TP rank 0's batch reader failed" in error1

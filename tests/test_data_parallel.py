@@ -120,7 +120,7 @@ def _steps(module, optimizer, count: int, model) -> list[torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def ranks():
-    return run_distributed(both_kinds, 2, timeout=180)
+    return run_distributed(both_kinds, 2)
 
 
 def test_buckets_reduce_during_the_last_backward_only(ranks):

@@ -224,6 +224,7 @@ def test_auto_on_cuda_runs_triton_only_where_it_beat_pytorch(monkeypatch):
     from megatron_core.fusions import backends
 
     monkeypatch.setattr(backends, "_TRITON_USABLE_ON", set())
+    monkeypatch.setattr(backends, "_triton_import_problem", lambda: None)  # as on a GPU host, triton or not here
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     auto = resolve_backends("auto", device="cuda")

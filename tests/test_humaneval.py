@@ -75,7 +75,8 @@ def test_hostile_samples_fail_without_hurting_the_run(tmp_path):
     assert net.status == sandbox.FAILED and not reached
     # the same sample set mixed: only the honest one counts, the run finishes
     samples = [canonical, "    while True:\n        pass\n", "    x = bytearray(8 << 30)\n"]
-    result = run([problem], each(lambda prompt, n: samples), tmp_path, n=3, k=(1, 2), timeout_s=1.0, memory_mb=512)
+    # 3 s: the honest sample must finish in time even while another test file shares the two cores
+    result = run([problem], each(lambda prompt, n: samples), tmp_path, n=3, k=(1, 2), timeout_s=3.0, memory_mb=512)
     assert result["passed_per_problem"] == {problem["task_id"]: 1} and result["timed_out"] == 1
     assert math.isclose(result["pass@1"], 1 / 3) and math.isclose(result["pass@2"], 2 / 3)
 

@@ -97,7 +97,7 @@ COUNTS = [1, 2, 3, 5]
 
 @pytest.fixture(scope="module")
 def ranks():
-    return run_distributed(run_schedules, PP, COUNTS, timeout=120)
+    return run_distributed(run_schedules, PP, COUNTS)
 
 
 def expected_events(stage: int, count: int) -> str:
@@ -238,7 +238,7 @@ INTERLEAVED_CASES = {2: (3, [2, 4, 6]), 4: (2, [4, 8])}  # pp: (virtual stages, 
 def interleaved(request):
     pp = request.param
     v, counts = INTERLEAVED_CASES[pp]
-    return pp, v, counts, run_distributed(run_interleaved, pp, pp, v, counts, timeout=120)
+    return pp, v, counts, run_distributed(run_interleaved, pp, pp, v, counts)
 
 
 def test_interleaved_order_is_megatrons(interleaved):

@@ -33,10 +33,10 @@ _APEX_FUSIONS = frozenset({"layer_norm"})
 # already in place and compiled it took 11.3 ms against 12.3 at [2048, 4096], forward and backward 56
 # against 45. Layer norm and softmax are one aten kernel already.
 _COMPILE_FUSIONS = frozenset({"bias_gelu"})
-# What "auto" runs on Triton on CUDA: only where our kernel was measured faster than PyTorch's. On one H200
-# (bench/results/kernels-20261204-155904.json, bf16, 12288 tokens, hidden 768, vocab 32768), forward and
-# backward against eager: softmax 6.7x, cross entropy 5.0x faster; layer norm 0.21x, bias-GeLU 0.28x,
-# bias-dropout-add 0.41x. With all five on Triton the CodeParrot-small step ran 0.79x transformers, with
+# What "auto" runs on Triton on CUDA: only where our kernel was measured faster than our PyTorch reference
+# (backend "torch"). On one H200 (bench/results/kernels-20261204-155904.json, bf16, 12288 tokens, hidden
+# 768, vocab 32768), forward and backward: softmax 6.7x, cross entropy 5.0x faster; layer norm 0.21x,
+# bias-GeLU 0.28x, bias-dropout-add 0.41x. With all five on Triton the CodeParrot-small step ran 0.79x transformers, with
 # all on torch 1.27x (train-20261204-155515.json / -155742.json). The slower three stay asked-for only
 # until their kernels are faster (`fusions: triton` or a per-fusion override still runs them).
 _AUTO_TRITON_ON_CUDA = frozenset({"softmax", "cross_entropy"})
