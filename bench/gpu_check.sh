@@ -16,7 +16,9 @@
 # says whether all passed. JSON (and charts) land in bench/results/; the files this run wrote are
 # copied to $OUT when it is set (the device tool brings back at most 8 files).
 #
-#   bash bench/gpu_check.sh          # about 7 minutes on one H200 (all parts' limits: 10); needs torch, triton, transformers
+#   bash bench/gpu_check.sh          # about 7 minutes on one H200; needs torch, triton, transformers
+# The parts' own limits add up to 12.5 minutes, past the device tool's 10 a call: the CPU part, last, is the
+# one a slow run loses.
 # On the H200 image (Triton 3.6, NumPy 2.5) test_vocab_parallel_cross_entropy_on_two_gloo_ranks fails inside
 # Triton's CPU interpreter (int() of a 1-element array, which NumPy 2.5 refuses), so it is left out here.
 # A part that fails stays in the FAILED list even when its fallback passes.
