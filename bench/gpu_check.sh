@@ -52,8 +52,10 @@ part() {  # part NAME SECONDS COMMAND...: run under a time limit, record a failu
   return "$rc"
 }
 
-OFFLINE_DATA=(--set 'corpus.sources=[{type: python-stdlib}]' --set tokenizer.hf_tokenizer=null)
-GPU_BF16=(--set fp16=false --set bf16=true --set device=cuda --set fusions=auto)
+# CodeParrot-small in bf16 on the GPU against transformers, offline data; a later --set fusions=... wins.
+SMALL_BENCH=("$PY" -m bench.train --recipe codeparrot-small-1gpu --workdir "$WORK" --baseline hf
+             --set 'corpus.sources=[{type: python-stdlib}]' --set tokenizer.hf_tokenizer=null
+             --set fp16=false --set bf16=true --set device=cuda --set fusions=auto)
 
 echo "== environment"
 "$PY" -m megatron_core.doctor || true
@@ -72,22 +74,18 @@ MEGATRON_FUSIONS_TEST_MODE=compiled part "fused kernels vs references, compiled 
   --deselect tests/test_fusions_reference.py::test_vocab_parallel_cross_entropy_on_two_gloo_ranks
 
 part "bench.train codeparrot-small, bf16, one GPU, vs transformers" 240 \
-  "$PY" -m bench.train --recipe codeparrot-small-1gpu --workdir "$WORK" --baseline hf \
-  --iters "$ITERS" --warmup 2 --repeats 1 --rounds 5 --profile-steps 2 "${OFFLINE_DATA[@]}" "${GPU_BF16[@]}"
+  "${SMALL_BENCH[@]}" --iters "$ITERS" --warmup 2 --repeats 1 --rounds 5 --profile-steps 2
 rc=$?
 if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$rc" -ne 137 ]; then  # it broke (not cut off): try without our kernels
   part "bench.train again with fusions=torch (the run above failed)" 180 \
-    "$PY" -m bench.train --recipe codeparrot-small-1gpu --workdir "$WORK" --baseline hf \
-    --iters "$ITERS" --warmup 2 --repeats 1 --rounds 4 --profile-steps 2 "${OFFLINE_DATA[@]}" "${GPU_BF16[@]}" \
-    --set fusions=torch
+    "${SMALL_BENCH[@]}" --iters "$ITERS" --warmup 2 --repeats 1 --rounds 4 --profile-steps 2 --set fusions=torch
 fi
 
 # Dropout off, so the first 3 steps' losses must match transformers' (bench.train raises otherwise): with
 # `auto` and with every fusion on Triton (stop 20 saw all-Triton drift 1.0e-3 at step 3, all-torch 2e-6).
 for fusions in auto triton; do
   part "bench.train same-work check: dropout off, global batch 24, fusions=$fusions" 90 \
-    "$PY" -m bench.train --recipe codeparrot-small-1gpu --workdir "$WORK" --baseline hf \
-    --iters 2 --warmup 1 --repeats 1 --rounds 2 --profile-steps 0 "${OFFLINE_DATA[@]}" "${GPU_BF16[@]}" \
+    "${SMALL_BENCH[@]}" --iters 2 --warmup 1 --repeats 1 --rounds 2 --profile-steps 0 \
     --set hidden_dropout=0 --set attention_dropout=0 --set global_batch_size=24 --set fusions=$fusions
 done
 

@@ -232,10 +232,9 @@ def resolve_backends(fusions: str = "auto", overrides: dict | None = None, devic
             requested = "auto"
         chosen[name] = choose_backend(name, requested, device)
     kind = _device_type(device)
-    note = ""
-    if kind == "cuda" and any(chosen[name] == "torch" for name in _AUTO_TRITON_ON_CUDA) and triton_problem(device):
-        note = f"Triton unavailable: {triton_problem(device)}"
-    return FusionBackends(**chosen, device=kind, note=note)
+    # Without Triton on CUDA, "auto" fell back to torch (an explicit "triton" would have raised above).
+    problem = triton_problem(device) if kind == "cuda" else None
+    return FusionBackends(**chosen, device=kind, note=f"Triton unavailable: {problem}" if problem else "")
 
 
 __all__ = ["FUSION_NAMES", "FusionBackends", "resolve_backends", "choose_backend", "triton_problem",
