@@ -41,10 +41,10 @@ def row_block(n_cols: int, what: str) -> int:
     return triton.next_power_of_2(n_cols)
 
 
-def rows_per_block(block_n: int) -> int:
-    """Rows one program handles together: short rows are batched so a program has ~4096 elements of work
+def rows_per_block(block_n: int, elements: int = 4096) -> int:
+    """Rows one program handles together: short rows are batched so a program has ~`elements` of work
     (this also keeps the number of programs, and so the interpreter's run time, small)."""
-    return max(1, min(64, 4096 // block_n))
+    return max(1, min(64, elements // block_n))
 
 
 def warps_for(block: int) -> int:

@@ -94,7 +94,7 @@ def _layer_norm_bwd(dy, x, weight, mean, rstd, launch, sm_count: int):
     sm_90, one program per SM) an H200 took 0.25 ms a call at [12288, 768], waiting on each step's loads."""
     rows, n_cols = x.shape
     block = _common.row_block(n_cols, "layer_norm hidden size")
-    block_m = max(1, min(64, 1024 // block))
+    block_m = _common.rows_per_block(block, elements=1024)
     row_blocks = triton.cdiv(rows, block_m)
     groups = max(1, min(row_blocks, 8 * sm_count))
     blocks_per_program = max(1, triton.cdiv(row_blocks, groups))
