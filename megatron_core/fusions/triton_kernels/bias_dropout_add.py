@@ -77,7 +77,7 @@ def _bias_dropout_add_fwd(x, bias, residual, seed, p: float, dropout: bool, laun
     return y
 
 
-@torch.library.custom_op("megatron_fusions::bias_dropout_add_fwd", mutates_args=())
+@_common.kernel_op("megatron_fusions::bias_dropout_add_fwd")
 def bias_dropout_add_fwd(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, seed: torch.Tensor,
                          p: float, dropout: bool) -> torch.Tensor:
     """x, residual: contiguous [rows, hidden]; bias: [hidden] or None; seed: int64 [1] on x's device."""
@@ -98,7 +98,7 @@ def _dropout_bwd(dy, seed, p: float, launch) -> torch.Tensor:
     return dx
 
 
-@torch.library.custom_op("megatron_fusions::dropout_bwd", mutates_args=())
+@_common.kernel_op("megatron_fusions::dropout_bwd")
 def dropout_bwd(dy: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
     """Gradient through the dropout: dy * mask / (1 - p), the mask regenerated from `seed`."""
     return _dropout_bwd(dy, seed, p, _common.run)

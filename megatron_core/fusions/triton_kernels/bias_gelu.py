@@ -62,7 +62,7 @@ def _bias_gelu_fwd(x, bias, launch) -> torch.Tensor:
     return y
 
 
-@torch.library.custom_op("megatron_fusions::bias_gelu_fwd", mutates_args=())
+@_common.kernel_op("megatron_fusions::bias_gelu_fwd")
 def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """x: contiguous [rows, hidden]; bias: [hidden]."""
     return _bias_gelu_fwd(x, bias, _common.run)
@@ -82,7 +82,7 @@ def _bias_gelu_bwd(dy, x, bias, launch) -> tuple[torch.Tensor, torch.Tensor]:
     return dx, dbias
 
 
-@torch.library.custom_op("megatron_fusions::bias_gelu_bwd", mutates_args=())
+@_common.kernel_op("megatron_fusions::bias_gelu_bwd")
 def bias_gelu_bwd(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns dx (x's dtype) and dbias (bias's dtype; summed over rows in fp32)."""
     return _bias_gelu_bwd(dy, x, bias, _common.run)

@@ -83,7 +83,7 @@ def _cross_entropy_bwd(logits, labels, log_sum_exp, dloss, vocab_start: int, lau
     return dlogits
 
 
-@torch.library.custom_op("megatron_fusions::cross_entropy_fwd", mutates_args=())
+@_common.kernel_op("megatron_fusions::cross_entropy_fwd")
 def cross_entropy_fwd(logits: torch.Tensor, labels: torch.Tensor,
                       vocab_start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits: contiguous [rows, V_local]; labels: int64 [rows]. Returns the local row max, the local
@@ -97,7 +97,7 @@ def _(logits, labels, vocab_start):
     return tuple(logits.new_empty((rows,), dtype=torch.float32) for _ in range(3))
 
 
-@torch.library.custom_op("megatron_fusions::cross_entropy_bwd", mutates_args=())
+@_common.kernel_op("megatron_fusions::cross_entropy_bwd")
 def cross_entropy_bwd(logits: torch.Tensor, labels: torch.Tensor, log_sum_exp: torch.Tensor, dloss: torch.Tensor,
                       vocab_start: int) -> torch.Tensor:
     """d loss / d logits = (softmax - onehot) * dloss, in the logits' dtype."""

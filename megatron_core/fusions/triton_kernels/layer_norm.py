@@ -74,7 +74,7 @@ def _layer_norm_fwd(x, weight, bias, eps: float, launch) -> tuple[torch.Tensor, 
     return y, mean, rstd
 
 
-@torch.library.custom_op("megatron_fusions::layer_norm_fwd", mutates_args=())
+@_common.kernel_op("megatron_fusions::layer_norm_fwd")
 def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                    eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x: contiguous [rows, n]. Returns y [rows, n] (x's dtype), mean and rstd [rows] (fp32)."""
@@ -113,7 +113,7 @@ def _layer_norm_bwd(dy, x, weight, mean, rstd, launch, sm_count: int):
     return dx, dw_partial.sum(0).to(weight.dtype), db_partial.sum(0).to(weight.dtype)
 
 
-@torch.library.custom_op("megatron_fusions::layer_norm_bwd", mutates_args=())
+@_common.kernel_op("megatron_fusions::layer_norm_bwd")
 def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor,
                    rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns dx (x's dtype), dweight and dbias (weight's dtype)."""

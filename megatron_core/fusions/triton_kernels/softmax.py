@@ -67,7 +67,7 @@ def _causal_softmax_bwd(dprobs, probs, scale: float, launch) -> torch.Tensor:
     return dscores
 
 
-@torch.library.custom_op("megatron_fusions::causal_softmax_fwd", mutates_args=())
+@_common.kernel_op("megatron_fusions::causal_softmax_fwd")
 def causal_softmax_fwd(scores: torch.Tensor, scale: float) -> torch.Tensor:
     """scores: contiguous [..., sq, sk] with sq == sk."""
     return _causal_softmax_fwd(scores, scale, _common.run)
@@ -78,7 +78,7 @@ def _(scores, scale):
     return torch.empty_like(scores)
 
 
-@torch.library.custom_op("megatron_fusions::causal_softmax_bwd", mutates_args=())
+@_common.kernel_op("megatron_fusions::causal_softmax_bwd")
 def causal_softmax_bwd(dprobs: torch.Tensor, probs: torch.Tensor, scale: float) -> torch.Tensor:
     return _causal_softmax_bwd(dprobs, probs, scale, _common.run)
 
