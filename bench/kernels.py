@@ -6,9 +6,16 @@ GB/s counts the bytes of the main tensors read plus written once per pass (small
 biases and per-row statistics are left out), so 100% of copy bandwidth is the bound for a kernel that
 reads and writes each element exactly once. Each fusion is first checked against the reference, then timed.
 
-    python -m bench.kernels [--dtype bf16] [--iters 50]
+Two times per call: `*_ms` is the wall time of back-to-back calls (what a host-bound loop sees: Python, the
+launch and the kernels), `*_device_ms` the time the GPU spent in kernels (torch.profiler's CUDA activity).
+Where the wall time is well above the device time, a call is bound by its launch, not by its kernels; the
+speedups are given for both.
+
+    python -m bench.kernels [--dtype bf16] [--iters 50] [--results-dir DIR]
 
 On a machine without a CUDA GPU it says so and returns {"skipped": "needs a CUDA GPU"} (exit 0).
+`--device cpu` runs the same flow through Triton's interpreter (TRITON_INTERPRET=1, small shapes): a check of
+the benchmark itself, whose times say nothing about kernels.
 """
 
 from __future__ import annotations
@@ -16,8 +23,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from dataclasses import dataclass
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 
@@ -40,10 +49,10 @@ class Case:
     bwd_passes: int
 
 
-def _gpt_cases(tokens: int, hidden: int, vocab: int, heads: int, seq: int, dtype: torch.dtype) -> list[Case]:
+def _gpt_cases(tokens: int, hidden: int, vocab: int, heads: int, seq: int, dtype: torch.dtype,
+               device: torch.device) -> list[Case]:
     from megatron_core.fusions import bias_dropout_add, bias_gelu, cross_entropy, layer_norm, scaled_causal_softmax
 
-    device = torch.device("cuda")
     element = torch.tensor([], dtype=dtype).element_size()
 
     def randn(*shape, scale=1.0):
@@ -66,9 +75,15 @@ def _gpt_cases(tokens: int, hidden: int, vocab: int, heads: int, seq: int, dtype
     ]
 
 
-def _time_ms(step: Callable[[], None], iters: int) -> float:
+def _time_ms(step: Callable[[], None], iters: int, device: torch.device) -> float:
+    """Wall milliseconds per call of `iters` back-to-back calls, after 3 warm-up calls."""
     for _ in range(3):
         step()
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(iters):
+            step()
+        return (time.perf_counter() - start) * 1e3 / iters
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -79,11 +94,29 @@ def _time_ms(step: Callable[[], None], iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
-def copy_bandwidth_gbps(iters: int, megabytes: int = 1024) -> float:
-    """Read + write GB/s of torch's device-to-device copy of a large tensor."""
-    source = torch.empty(megabytes * 2**20, dtype=torch.uint8, device="cuda")
+def _device_ms(step: Callable[[], None], iters: int, device: torch.device) -> tuple[Optional[float], dict]:
+    """GPU milliseconds per call spent in kernels, and each kernel's (None, {} off CUDA)."""
+    if device.type != "cuda":
+        return None, {}
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.profiling import time_table
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    total, table = time_table(prof, iters, "cuda")
+    return total, {row["op"]: row["ms_per_call"] for row in table}
+
+
+def copy_bandwidth_gbps(iters: int, device: torch.device, megabytes: int = 1024) -> float:
+    """Read + write GB/s of torch's copy of a large tensor on `device`."""
+    source = torch.empty(megabytes * 2**20, dtype=torch.uint8, device=device)
     target = torch.empty_like(source)
-    ms = _time_ms(lambda: target.copy_(source), iters)
+    ms = _time_ms(lambda: target.copy_(source), iters, device)
     return 2 * source.numel() / (ms * 1e-3) / 1e9
 
 
@@ -108,10 +141,13 @@ def _check(case: Case, dtype: torch.dtype) -> float:
     return error
 
 
-def _measure(case: Case, backend: str, iters: int) -> dict:
+def _measure(case: Case, backend: str, iters: int, device: torch.device) -> dict:
     inputs = case.make_inputs()
-    with torch.no_grad():
-        fwd_ms = _time_ms(lambda: case.call(backend, inputs), iters)
+
+    def fwd():
+        with torch.no_grad():
+            case.call(backend, inputs)
+
     with torch.no_grad():
         grad_out = torch.randn_like(case.call(backend, inputs))
 
@@ -120,12 +156,48 @@ def _measure(case: Case, backend: str, iters: int) -> dict:
             tensor.grad = None
         case.call(backend, inputs).backward(grad_out)
 
-    return {"fwd_ms": fwd_ms, "fwd_bwd_ms": _time_ms(fwd_bwd, iters)}
+    measured = {}
+    for phase, step in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
+        measured[f"{phase}_ms"] = _time_ms(step, iters, device)
+        measured[f"{phase}_device_ms"], measured[f"{phase}_kernels"] = _device_ms(step, iters, device)
+    return measured
+
+
+def _ratio(numerator: Optional[float], denominator: Optional[float]) -> Optional[float]:
+    return numerator / denominator if numerator is not None and denominator else None
+
+
+def _phase_entry(ours: dict, eager: dict, phase: str, moved: int, copy_gbps: float) -> dict:
+    """One phase's figures: wall and device times of both backends, speedups, Triton's GB/s (by wall time)."""
+    ms, device_ms = ours[f"{phase}_ms"], ours[f"{phase}_device_ms"]
+    gbps = moved / (ms * 1e-3) / 1e9
+    return {"triton_ms": ms, "torch_ms": eager[f"{phase}_ms"], "speedup": eager[f"{phase}_ms"] / ms,
+            "triton_GBps": gbps, "fraction_of_copy": gbps / copy_gbps,
+            "triton_device_ms": device_ms, "torch_device_ms": eager[f"{phase}_device_ms"],
+            "device_speedup": _ratio(eager[f"{phase}_device_ms"], device_ms),
+            "triton_device_fraction_of_copy": _ratio(moved / copy_gbps / 1e6, device_ms),
+            "launch_bound": None if device_ms is None else device_ms < 0.5 * ms,
+            "triton_kernels": ours[f"{phase}_kernels"], "torch_kernels": eager[f"{phase}_kernels"]}
+
+
+def _describe(name: str, entry: dict) -> str:
+    line = f"{name}:"
+    for phase, label in (("fwd", "fwd"), ("fwd_bwd", "fwd+bwd")):
+        e = entry[phase]
+        line += (f" {label} {e['triton_GBps']:.0f} GB/s ({e['fraction_of_copy']:.0%} of copy, "
+                 f"{e['speedup']:.2f}x eager")
+        if e["triton_device_ms"] is not None:
+            line += (f"; device {e['triton_device_ms']:.3f} vs {e['torch_device_ms']:.3f} ms, "
+                     f"{e['device_speedup']:.2f}x{', launch-bound' if e['launch_bound'] else ''}")
+        line += ");"
+    return line.rstrip(";")
 
 
 def run(tokens: int = 12 * 1024, hidden: int = 768, vocab: int = 32768, heads: int = 12, seq: int = 1024,
-        dtype: str = "bf16", iters: int = 50) -> dict:
-    if not torch.cuda.is_available():
+        dtype: str = "bf16", iters: int = 50, device: str = "cuda", copy_megabytes: int = 1024) -> dict:
+    if device not in ("cuda", "cpu"):
+        raise UserError(f"--device {device!r}: use cuda (the benchmark) or cpu (its check, in Triton's interpreter)")
+    if device == "cuda" and not torch.cuda.is_available():
         print("bench.kernels needs a CUDA GPU; none is available here, so nothing was measured")
         return {"skipped": "needs a CUDA GPU"}
     if dtype not in DTYPES:
@@ -135,30 +207,27 @@ def run(tokens: int = 12 * 1024, hidden: int = 768, vocab: int = 32768, heads: i
     torch_dtype = DTYPES[dtype]
     from megatron_core.fusions import resolve_backends
 
-    backends = resolve_backends("triton", device="cuda")  # fails here, clearly, if Triton cannot run
+    torch_device = torch.device(device)
+    backends = resolve_backends("triton", device=torch_device)  # fails here, clearly, if Triton cannot run
     print(backends.describe(), flush=True)
-    copy_gbps = copy_bandwidth_gbps(iters)
+    copy_gbps = copy_bandwidth_gbps(iters, torch_device, copy_megabytes)
     print(f"copy bandwidth: {copy_gbps:.0f} GB/s", flush=True)
     results = {}
-    for case in _gpt_cases(tokens, hidden, vocab, heads, seq, torch_dtype):
+    for case in _gpt_cases(tokens, hidden, vocab, heads, seq, torch_dtype, torch_device):
         check_error = _check(case, torch_dtype)
-        ours, eager = _measure(case, "triton", iters), _measure(case, "torch", iters)
+        ours, eager = _measure(case, "triton", iters, torch_device), _measure(case, "torch", iters, torch_device)
         fwd_bytes = case.pass_bytes * case.fwd_passes
         fwd_bwd_bytes = case.pass_bytes * (case.fwd_passes + case.bwd_passes)
         entry = {"check_rel_error": check_error}
         for phase, moved in (("fwd", fwd_bytes), ("fwd_bwd", fwd_bwd_bytes)):
-            ms = ours[f"{phase}_ms"]
-            gbps = moved / (ms * 1e-3) / 1e9
-            entry[phase] = {"triton_ms": ms, "torch_ms": eager[f"{phase}_ms"], "speedup": eager[f"{phase}_ms"] / ms,
-                            "triton_GBps": gbps, "fraction_of_copy": gbps / copy_gbps}
+            entry[phase] = _phase_entry(ours, eager, phase, moved, copy_gbps)
         results[case.name] = entry
-        print(f"{case.name}: fwd {entry['fwd']['triton_GBps']:.0f} GB/s ({entry['fwd']['fraction_of_copy']:.0%} "
-              f"of copy, {entry['fwd']['speedup']:.2f}x eager); fwd+bwd {entry['fwd_bwd']['triton_GBps']:.0f} GB/s "
-              f"({entry['fwd_bwd']['fraction_of_copy']:.0%}, {entry['fwd_bwd']['speedup']:.2f}x)", flush=True)
+        print(_describe(case.name, entry), flush=True)
         del ours, eager
-        torch.cuda.empty_cache()
+        if torch_device.type == "cuda":
+            torch.cuda.empty_cache()
     return {
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name() if torch_device.type == "cuda" else "cpu (Triton interpreter)",
         "dtype": dtype,
         "shapes": {"tokens": tokens, "hidden": hidden, "vocab": vocab, "heads": heads, "seq": seq},
         "iters": iters,
@@ -176,14 +245,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                        help="cpu: check the benchmark itself through Triton's interpreter (TRITON_INTERPRET=1)")
+    parser.add_argument("--copy-megabytes", type=int, default=1024, help="size of the copy-bandwidth tensor")
+    parser.add_argument("--results-dir", type=Path, default=None, help="where the JSON goes (bench/results)")
     args = parser.parse_args(argv)
+    results_dir = args.results_dir
+    del args.results_dir
     try:
         result = run(**vars(args))
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if "skipped" not in result:  # a skip measured nothing, so it leaves no results file
-        result["results_file"] = str(write_result(result, results_path("kernels")))
+        result["results_file"] = str(write_result(result, results_path("kernels", results_dir)))
     print(json.dumps(result))
     return 0
 

@@ -319,8 +319,11 @@ def run(recipe_spec: str = "codeparrot-tiny", overrides=(), workdir: str = "./wo
 
 
 def profile_ours(setup: "Setup", steps: int = 3, top: int = 15) -> list[dict]:
-    """Where our step's time goes: torch.profiler's per-op table (self time), the top ops."""
+    """Where our step's time goes: torch.profiler's table (GPU kernels on CUDA, ops' self time on a CPU:
+    bench.profiling), the top entries."""
     from torch.profiler import ProfilerActivity, profile
+
+    from bench.profiling import time_table
 
     step, _, _ = build_ours(setup)
     step()  # warm-up outside the profile
@@ -328,11 +331,7 @@ def profile_ours(setup: "Setup", steps: int = 3, top: int = 15) -> list[dict]:
     with profile(activities=activities) as prof:
         for _ in range(steps):
             step()
-    device_key = "self_device_time_total" if setup.device.type == "cuda" else "self_cpu_time_total"
-    events = sorted(prof.key_averages(), key=lambda e: getattr(e, device_key), reverse=True)[:top]
-    total = sum(getattr(e, device_key) for e in prof.key_averages()) or 1.0
-    return [{"op": e.key, "calls": e.count // steps, "ms_per_step": getattr(e, device_key) / 1e3 / steps,
-             "share": getattr(e, device_key) / total} for e in events]
+    return time_table(prof, steps, setup.device.type, unit="step")[1][:top]
 
 
 def _run(setup, recipe, overrides, iters, warmup, repeats, baseline, write, echo, results_dir,
