@@ -5,10 +5,13 @@
 #   3. bench.train: CodeParrot-small (12x768x12, seq 1024, micro 12, global 192) in bf16 on one GPU,
 #      ours against transformers' GPT2LMHeadModel + torch AdamW (tokens/s, TFLOP/s, MFU, peak memory,
 #      fraction_of_gemm); then the same shape with dropout off and a smaller global batch, where the first
-#      steps' losses of the two sides must agree (the same-work check is only enforced without dropout), with
-#      `auto` and with every fusion on Triton;
-#   4. bench.kernels: GB/s of each fusion against the measured copy bandwidth, and speedup over eager;
-#   5. where the host CPU has bf16 matrix units (AMX or AVX512-BF16), issue 15's CPU bf16 command.
+#      steps' losses of the two sides must agree (the same-work check is only enforced without dropout);
+#   4. bench.drift at that shape: every fusion on Triton against all on torch from the same weights, compared
+#      tensor by tensor after 2 steps and forward-only on the third step's batches (weights x fusions), which
+#      tells a wrong update from a forward that differs (stop 20's all-Triton drift of 1.0e-3 at step 3);
+#   5. bench.kernels: GB/s of each fusion against the measured copy bandwidth, speedup over eager, and the
+#      kernels' own (device) time beside the wall time;
+#   6. where the host CPU has bf16 matrix units (AMX or AVX512-BF16), issue 15's CPU bf16 command.
 # The CodeParrot data and tokenizer come from the Hub; offline, the same model is fed the Python stdlib
 # corpus with a 32768-token BPE trained on it (same shapes, same FLOPs). WORK may hold those steps
 # already built (bench.train reuses a step whose manifest exists).
@@ -17,8 +20,9 @@
 # copied to $OUT when it is set (the device tool brings back at most 8 files).
 #
 #   bash bench/gpu_check.sh          # about 7 minutes on one H200; needs torch, triton, transformers
-# The parts' own limits add up to 12.5 minutes, past the device tool's 10 a call: the CPU part, last, is the
-# one a slow run loses.
+# The parts' own limits add up to 14 minutes, past the device tool's 10 a call: the CPU part, last, is the
+# one a slow run loses; ONLY='words of a part's name' runs only the parts so named, for a second call
+# (e.g. ONLY='CPU bf16').
 # On the H200 image (Triton 3.6, NumPy 2.5) test_vocab_parallel_cross_entropy_on_two_gloo_ranks fails inside
 # Triton's CPU interpreter (int() of a 1-element array, which NumPy 2.5 refuses), so it is left out here.
 # A part that fails stays in the FAILED list even when its fallback passes.
@@ -39,6 +43,10 @@ FAILED=()
 part() {  # part NAME SECONDS COMMAND...: run under a time limit, record a failure, go on
   local name=$1 limit=$2 start rc
   shift 2
+  if [ -n "${ONLY:-}" ] && [[ "$name" != *"$ONLY"* ]]; then
+    echo "== $name: not run (ONLY=$ONLY)"
+    return 0
+  fi
   echo "== $name (limit ${limit} s)"
   start=$(date +%s)
   timeout -k 15 "$limit" "$@"
@@ -46,16 +54,16 @@ part() {  # part NAME SECONDS COMMAND...: run under a time limit, record a failu
   echo "== $name: exit $rc after $(($(date +%s) - start)) s"
   [ "$rc" -eq 0 ] || FAILED+=("$name")
   if [ -n "${OUT:-}" ]; then  # after each part: a run cut short still brings back what it measured
-    find bench/results -type f -newer "$STARTED" -name '*.json' \( -name 'train-*' -o -name 'kernels-*' \) \
+    find bench/results -type f -newer "$STARTED" -name '*.json' \( -name 'train-*' -o -name 'kernels-*' -o -name 'drift-*' \) \
       -exec cp {} "$OUT"/ \;
   fi
   return "$rc"
 }
 
-# CodeParrot-small in bf16 on the GPU against transformers, offline data; a later --set fusions=... wins.
-SMALL_BENCH=("$PY" -m bench.train --recipe codeparrot-small-1gpu --workdir "$WORK" --baseline hf
-             --set 'corpus.sources=[{type: python-stdlib}]' --set tokenizer.hf_tokenizer=null
-             --set fp16=false --set bf16=true --set device=cuda --set fusions=auto)
+# CodeParrot-small in bf16 on the GPU, offline data; a later --set fusions=... wins.
+SMALL=(--recipe codeparrot-small-1gpu --workdir "$WORK" --set 'corpus.sources=[{type: python-stdlib}]'
+       --set tokenizer.hf_tokenizer=null --set fp16=false --set bf16=true --set device=cuda)
+SMALL_BENCH=("$PY" -m bench.train "${SMALL[@]}" --baseline hf --set fusions=auto)
 
 echo "== environment"
 "$PY" -m megatron_core.doctor || true
@@ -81,13 +89,14 @@ if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$rc" -ne 137 ]; then  # it broke (
     "${SMALL_BENCH[@]}" --iters "$ITERS" --warmup 2 --repeats 1 --rounds 4 --profile-steps 2 --set fusions=torch
 fi
 
-# Dropout off, so the first 3 steps' losses must match transformers' (bench.train raises otherwise): with
-# `auto` and with every fusion on Triton (stop 20 saw all-Triton drift 1.0e-3 at step 3, all-torch 2e-6).
-for fusions in auto triton; do
-  part "bench.train same-work check: dropout off, global batch 24, fusions=$fusions" 90 \
-    "${SMALL_BENCH[@]}" --iters 2 --warmup 1 --repeats 1 --rounds 2 --profile-steps 0 \
-    --set hidden_dropout=0 --set attention_dropout=0 --set global_batch_size=24 --set fusions=$fusions
-done
+# Dropout off, so the first 3 steps' losses must match transformers' (bench.train raises otherwise).
+part "bench.train same-work check: dropout off, global batch 24, fusions=auto" 90 \
+  "${SMALL_BENCH[@]}" --iters 2 --warmup 1 --repeats 1 --rounds 2 --profile-steps 0 \
+  --set hidden_dropout=0 --set attention_dropout=0 --set global_batch_size=24
+
+# Stop 20 saw all-Triton drift 1.0e-3 from transformers at step 3 (all-torch 2e-6): the update or the forward?
+part "bench.drift: all-Triton against all-torch, global batch 24, 2 steps" 90 \
+  "$PY" -m bench.drift "${SMALL[@]}" --set global_batch_size=24 --fusions triton --steps 2
 
 part "bench.kernels bf16" 60 "$PY" -m bench.kernels --dtype bf16 --iters 50
 

@@ -135,13 +135,14 @@ class Setup:
         self.scratch.cleanup()
 
 
-def build_ours(setup: Setup):
-    """(step function -> loss, our GPTModel): the real Trainer.train_step on the recipe's model."""
+def build_ours(setup: Setup, recipe: Optional[config.Recipe] = None):
+    """(step function -> loss, our GPTModel, its description, its optimizer): the real Trainer.train_step on
+    the recipe's model (`recipe`, default the setup's: one that differs only outside the data, e.g. in fusions)."""
     from megatron_core import pretrain_gpt as train_lib
     from megatron_core.training.logging import RunLogger
     from megatron_core.training.trainer import Trainer
 
-    recipe = setup.recipe
+    recipe = recipe or setup.recipe
     train_lib.seed_everything(recipe.training.seed)
     fusions, model, inner, optimizer = train_lib.build_model_and_optimizer(recipe, setup.padded_vocab, setup.device)
     run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=setup.scratch.name))
@@ -159,7 +160,7 @@ def build_ours(setup: Setup):
                                f"training.compile: {recipe.training.compile}",
                    "precision_regime": train_lib.precision_regime(recipe),
                    "grad_buffer_mb": model.grad_sync.grad_buffer_bytes / 2**20}
-    return step, inner, description
+    return step, inner, description, optimizer
 
 
 def build_hf(setup: Setup, start_state: dict):
@@ -325,7 +326,7 @@ def profile_ours(setup: "Setup", steps: int = 3, top: int = 15) -> list[dict]:
 
     from bench.profiling import time_table
 
-    step, _, _ = build_ours(setup)
+    step = build_ours(setup)[0]
     step()  # warm-up outside the profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if setup.device.type == "cuda" else [])
     with profile(activities=activities) as prof:
@@ -343,7 +344,7 @@ def _run(setup, recipe, overrides, iters, warmup, repeats, baseline, write, echo
     # Same work check: one step of each from the same weights (ours, converted), dropout off.
     check, start_state = None, None
     if baseline:
-        step, ours_model, _ = build_ours(setup)
+        step, ours_model = build_ours(setup)[:2]
         start_state = {k: v.detach().float().cpu().clone() for k, v in ours_model.state_dict().items()
                        if not k.endswith("_extra_state")}
         hf_step = build_hf(setup, start_state)
@@ -380,7 +381,7 @@ def _run(setup, recipe, overrides, iters, warmup, repeats, baseline, write, echo
         for side in (sides if attempt % 2 == 0 else sides[::-1]):
             _reset_peak_memory(setup.device)
             if side == "ours":
-                step, ours_model, description = build_ours(setup)
+                step, ours_model, description = build_ours(setup)[:3]
                 del ours_model
             else:
                 step = build_hf(setup, start_state)
