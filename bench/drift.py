@@ -39,7 +39,8 @@ def _snapshot(model: torch.nn.Module, optimizer) -> dict[str, torch.Tensor]:
     saved = optimizer.state_dict()
     param_state = saved["param_state"] if "param_state" in saved else optimizer.param_state()  # distributed: apart
     for name, state in param_state.items():
-        tensors.update({f"{key}/{name}": value.detach().float().cpu() for key, value in state.items()})
+        tensors.update({f"{key}/{name}": value.detach().float().cpu() for key, value in state.items()
+                        if isinstance(value, torch.Tensor)})  # the distributed optimizer adds shard offsets
     return tensors
 
 

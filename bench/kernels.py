@@ -109,6 +109,8 @@ def _device_ms(step: Callable[[], None], iters: int, device: torch.device) -> tu
             step()
         torch.cuda.synchronize()
     total, table = time_table(prof, iters, "cuda")
+    if not table:  # the profiler saw no GPU activity (no CUPTI): unknown, not zero
+        return None, {}
     return total, {row["op"]: row["ms_per_call"] for row in table}
 
 
@@ -186,7 +188,7 @@ def _describe(name: str, entry: dict) -> str:
         e = entry[phase]
         line += (f" {label} {e['triton_GBps']:.0f} GB/s ({e['fraction_of_copy']:.0%} of copy, "
                  f"{e['speedup']:.2f}x eager")
-        if e["triton_device_ms"] is not None:
+        if e["device_speedup"] is not None:
             line += (f"; device {e['triton_device_ms']:.3f} vs {e['torch_device_ms']:.3f} ms, "
                      f"{e['device_speedup']:.2f}x{', launch-bound' if e['launch_bound'] else ''}")
         line += ");"

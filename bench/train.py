@@ -142,7 +142,7 @@ def build_ours(setup: Setup, recipe: Optional[config.Recipe] = None):
     from megatron_core.training.logging import RunLogger
     from megatron_core.training.trainer import Trainer
 
-    recipe = recipe or setup.recipe
+    recipe = setup.recipe if recipe is None else recipe
     train_lib.seed_everything(recipe.training.seed)
     fusions, model, inner, optimizer = train_lib.build_model_and_optimizer(recipe, setup.padded_vocab, setup.device)
     run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=setup.scratch.name))

@@ -429,3 +429,16 @@ def test_triton_cases_in_a_fresh_process():
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     assert "fusion kernel tests: interpreter mode" in result.stdout, result.stdout[-3000:]
     print(result.stdout.strip().splitlines()[-1])
+
+
+@needs_triton_here
+def test_fake_tensor_tracing_meets_the_custom_ops_not_the_kernels():
+    """Under a dispatch mode (here FakeTensorMode, as make_fx and export use) the launchers must stay the custom
+    ops, whose fakes give the shapes: the kernels themselves cannot run on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.randn(5, 32, device=DEVICE)
+        y = layer_norm(x, torch.ones(32, device=DEVICE), torch.zeros(32, device=DEVICE), backend="triton")
+        z = bias_gelu(y, torch.zeros(32, device=DEVICE), backend="triton")
+    assert z.shape == (5, 32)
