@@ -43,7 +43,6 @@ def test_kernels_benchmark_runs_its_whole_flow_through_the_interpreter(tmp_path)
         for phase in ("fwd", "fwd_bwd"):
             figures = entry[phase]
             assert figures["triton_ms"] > 0 and figures["torch_ms"] > 0, (name, phase)
-            assert figures["speedup"] == figures["torch_ms"] / figures["triton_ms"]
             assert figures["triton_device_ms"] is None and figures["launch_bound"] is None
 
 
