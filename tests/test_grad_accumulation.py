@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_core.config import ModelConfig, ParallelConfig
-from megatron_core.distributed import DistributedDataParallel
+from megatron_core.distributed import DistributedDataParallel, grad_sync
 from megatron_core.models import GPTModel
 
 VOCAB, MICRO_BATCHES = 96, 16
@@ -52,6 +52,14 @@ def test_bf16_micro_batches_accumulate_in_fp32_main_grad():
     bf16_accumulated = {n: p.grad for n, p in plain.named_parameters()}
 
     # Ours: the wrapper's fp32 main_grad buffers, the micro batches' .grad freed as they come.
+    ours = _wrapped_main_grads()
+
+    ours_error, bf16_error = _relative_error(ours, reference), _relative_error(bf16_accumulated, reference)
+    assert ours_error < 1e-6, ours_error
+    assert bf16_error > 100 * ours_error, (bf16_error, ours_error)
+
+
+def _wrapped_main_grads() -> dict:
     wrapped = DistributedDataParallel(_model(), ParallelConfig(), grad_dtype=torch.float32)
     batches = list(_micro_batches())
     with wrapped.no_sync():
@@ -61,12 +69,22 @@ def test_bf16_micro_batches_accumulate_in_fp32_main_grad():
     wrapped.finish_grad_sync()
     params = dict(wrapped.module.named_parameters())
     assert all(p.grad is None and p.main_grad.dtype == torch.float32 for p in params.values())
-    ours = {n: p.main_grad for n, p in params.items()}
     assert wrapped.grad_sync.grad_buffer_bytes == 4 * sum(p.numel() for p in params.values())
+    return {n: p.main_grad for n, p in params.items()}
 
-    ours_error, bf16_error = _relative_error(ours, reference), _relative_error(bf16_accumulated, reference)
-    assert ours_error < 1e-6, ours_error
-    assert bf16_error > 100 * ours_error, (bf16_error, ours_error)
+
+def test_sliced_accumulation_adds_every_element_exactly(monkeypatch):
+    """A CPU adds a 16-bit gradient into fp32 main_grad in slices (no full-size fp32 temporary): slices
+    of 100 elements, with ragged tails in every weight here, give bit for bit the one-add result."""
+    whole = _wrapped_main_grads()
+    monkeypatch.setattr(grad_sync, "ACCUMULATE_SLICE", 100)
+    sliced = _wrapped_main_grads()
+    for name, grad in whole.items():
+        assert torch.equal(sliced[name], grad), name
+    buffer, grad = torch.randn(3, 101), torch.randn(3, 101).to(torch.bfloat16)
+    want = buffer + grad.float()
+    grad_sync.accumulate_(buffer, grad)
+    assert torch.equal(buffer, want)
 
 
 def test_next_backward_starts_from_zero_even_without_zero_grad_buffer():

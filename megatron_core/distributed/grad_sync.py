@@ -46,6 +46,23 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group, async_op: 
     return dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op)
 
 
+# Elements per slice when a CPU adds a 16-bit gradient into an fp32 buffer (about 1 MB of fp32).
+ACCUMULATE_SLICE = 1 << 18
+
+
+def accumulate_(main_grad: torch.Tensor, grad: torch.Tensor) -> None:
+    """main_grad += grad. On a CPU a mixed-dtype add first casts all of `grad` into a fresh fp32 tensor
+    (CUDA casts inside its kernel); at a large layer that temporary is big enough for the allocator to
+    map it fresh and the page faults cost 5x the add (7 ms for a bf16 [3072, 768] gradient inside a
+    training step against 1.3 ms alone). Slices of ACCUMULATE_SLICE keep the temporary small and reused."""
+    if grad.dtype == main_grad.dtype or main_grad.device.type != "cpu" or grad.numel() <= ACCUMULATE_SLICE:
+        main_grad.add_(grad)
+        return
+    flat, source = main_grad.view(-1), grad.reshape(-1)
+    for start in range(0, flat.numel(), ACCUMULATE_SLICE):
+        flat[start:start + ACCUMULATE_SLICE].add_(source[start:start + ACCUMULATE_SLICE])
+
+
 def gradient(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
     """Where a parameter's gradient of this iteration is: its main_grad under a GradSync, else .grad."""
     main_grad = getattr(param, "main_grad", None)
@@ -196,7 +213,7 @@ class GradSync:
         if bucket.launched:
             raise RuntimeError("a parameter's gradient was accumulated again after its bucket was reduced "
                                "(is a parameter used in two recompute segments?); this would lose gradient")
-        param.main_grad.add_(param.grad)  # accumulate in the buffer's dtype, then free the micro batch's grad
+        accumulate_(param.main_grad, param.grad)  # in the buffer's dtype, then free the micro batch's grad
         param.grad = None
         if not self.sync_enabled:
             return
