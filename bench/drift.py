@@ -65,7 +65,7 @@ def forward_losses(setup: Setup, recipe: config.Recipe, state: dict, batches: li
     from megatron_core.training.trainer import gpt_forward_step
 
     t = recipe.training
-    fusions = resolve_backends(t.fusions, t.fusion_overrides, setup.device)
+    fusions = resolve_backends(t.fusions, t.fusion_overrides, setup.device, setup.param_dtype)
     model = train_lib.build_model(recipe, setup.padded_vocab, setup.device, setup.param_dtype, fusions)
     model.load_state_dict(state)
     losses = []

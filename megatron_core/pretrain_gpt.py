@@ -177,7 +177,7 @@ def build_model_and_optimizer(recipe: Recipe, padded_vocab_size: int, device: to
 
     p, t = recipe.parallel, recipe.training
     precision, dtype = precision_of(recipe)
-    fusions = resolve_backends(t.fusions, t.fusion_overrides, device)
+    fusions = resolve_backends(t.fusions, t.fusion_overrides, device, dtype)
     model = build_model(recipe, padded_vocab_size, device, dtype, fusions)
     inner_model = model
     fused_adam = fused_adam_class() if device.type == "cuda" else None

@@ -4,9 +4,10 @@ Backends: "triton" (our @triton.jit kernels), "apex" (NVIDIA Apex, LayerNorm onl
 backend's own formulas through torch.compile, as Megatron's ``jit_fuser`` does: inductor fuses each into
 generated C++ loops on a CPU, Triton kernels on CUDA; bias-GeLU only), "torch" (the plain
 PyTorch reference). "auto" means, on CUDA, Triton for the fusions whose kernels beat PyTorch there
-(_AUTO_TRITON_ON_CUDA) and torch for the rest; torch on a CPU. "compile" is asked for, not chosen (it made
-bias-GeLU faster on a CPU but not the whole step beyond the noise, and costs a compile at start-up; the
-figures are at _COMPILE_FUSIONS). Apex is used for LayerNorm only when it is asked for (``fusions: apex`` or an override), never
+(_AUTO_TRITON_ON_CUDA) and torch for the rest; on a CPU torch, except bias-GeLU in 16-bit
+(_AUTO_COMPILE_ON_CPU_16BIT), where it takes "compile" when a C++ compiler is there. In fp32 "compile" is asked for,
+not chosen (it made bias-GeLU faster on a CPU but not the whole step beyond the noise, and costs a compile at
+start-up; the figures are at _COMPILE_FUSIONS). Apex is used for LayerNorm only when it is asked for (``fusions: apex`` or an override), never
 picked behind the user's back.
 
 Triton on a CPU works only through Triton's interpreter, which must be switched on with TRITON_INTERPRET=1
@@ -33,6 +34,11 @@ _APEX_FUSIONS = frozenset({"layer_norm"})
 # already in place and compiled it took 11.3 ms against 12.3 at [2048, 4096], forward and backward 56
 # against 45. Layer norm and softmax are one aten kernel already.
 _COMPILE_FUSIONS = frozenset({"bias_gelu"})
+# In bf16/fp16 on a CPU the torch backend's bias-GeLU is F.gelu(x + bias), whose tanh runs slowly (the sigmoid
+# form in place would round at every pass); compiled, forward and backward at [512, 3072] bf16 took 1.7 ms
+# against 3.9 (AVX-512, 2 cores) and the 12 x 768 bf16 step 950-973 ms against 994-1036 (A/B, same process).
+# The first compile takes about 20 s; inductor's disk cache serves later processes.
+_AUTO_COMPILE_ON_CPU_16BIT = frozenset({"bias_gelu"})
 # What "auto" runs on Triton on CUDA: only where our kernel was measured faster than our PyTorch reference
 # (backend "torch"). On one H200 (bench/results/kernels-20261204-155904.json, bf16, 12288 tokens, hidden
 # 768, vocab 32768), forward and backward: softmax 6.7x, cross entropy 5.0x faster; layer norm 0.21x,
@@ -162,18 +168,23 @@ def apex_problem(device) -> str | None:
     return None
 
 
-def _auto_backend(fusion: str, device) -> str:
-    if fusion in _AUTO_TRITON_ON_CUDA and _device_type(device) == "cuda" and triton_problem(device) is None:
+def _auto_backend(fusion: str, device, dtype: torch.dtype | None) -> str:
+    kind = _device_type(device)
+    if fusion in _AUTO_TRITON_ON_CUDA and kind == "cuda" and triton_problem(device) is None:
         return "triton"
+    if (fusion in _AUTO_COMPILE_ON_CPU_16BIT and kind == "cpu" and dtype in (torch.bfloat16, torch.float16)
+            and compile_problem(device) is None):
+        return "compile"
     return "torch"
 
 
-def choose_backend(fusion: str, requested: str, device) -> str:
-    """The concrete backend one call of `fusion` runs with; raises UserError when it cannot run."""
+def choose_backend(fusion: str, requested: str, device, dtype: torch.dtype | None = None) -> str:
+    """The concrete backend one call of `fusion` runs with (`dtype`: the activations', which "auto" may
+    consider); raises UserError when it cannot run."""
     if fusion not in FUSION_NAMES:
         raise UserError(f"unknown fusion {fusion!r}; known fusions: {', '.join(FUSION_NAMES)}")
     if requested == "auto":
-        return _auto_backend(fusion, device)
+        return _auto_backend(fusion, device, dtype)
     if requested not in BACKEND_NAMES:
         raise UserError(f"unknown backend {requested!r} for {fusion}; use one of auto, {', '.join(BACKEND_NAMES)}")
     if requested == "apex":
@@ -211,8 +222,10 @@ class FusionBackends:
         return f"fusions on {self.device}: {chosen}" + (f" ({self.note})" if self.note else "")
 
 
-def resolve_backends(fusions: str = "auto", overrides: dict | None = None, device="cpu") -> FusionBackends:
-    """Resolve the recipe's `fusions` key (auto|triton|apex|compile|torch) and per-fusion overrides for `device`.
+def resolve_backends(fusions: str = "auto", overrides: dict | None = None, device="cpu",
+                     dtype: torch.dtype | None = None) -> FusionBackends:
+    """Resolve the recipe's `fusions` key (auto|triton|apex|compile|torch) and per-fusion overrides for `device`
+    and the model's activation `dtype` (None: unknown, "auto" then ignores it).
 
     "apex" means Apex for LayerNorm and the "auto" choice for the fusions Apex has no kernel for; "compile"
     likewise serves the fusions it has and leaves the rest to "auto".
@@ -230,7 +243,7 @@ def resolve_backends(fusions: str = "auto", overrides: dict | None = None, devic
         if name not in overrides and ((requested == "apex" and name not in _APEX_FUSIONS)
                                       or (requested == "compile" and name not in _COMPILE_FUSIONS)):
             requested = "auto"
-        chosen[name] = choose_backend(name, requested, device)
+        chosen[name] = choose_backend(name, requested, device, dtype)
     kind = _device_type(device)
     # Without Triton on CUDA, "auto" fell back to torch (an explicit "triton" would have raised above).
     problem = triton_problem(device) if kind == "cuda" else None

@@ -73,7 +73,7 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor, backend: str = "auto") -> tor
     if bias is None or bias.shape != (x.shape[-1],):
         raise UserError(f"bias_gelu bias must be a [{x.shape[-1]}] tensor (the last dimension of x "
                         f"{tuple(x.shape)}), got {None if bias is None else tuple(bias.shape)}")
-    chosen = choose_backend("bias_gelu", backend, x.device)
+    chosen = choose_backend("bias_gelu", backend, x.device, x.dtype)
     if chosen == "triton":
         # Lazy: the kernel module imports triton (optional; its import fixes TRITON_INTERPRET for the process).
         from megatron_core.fusions.triton_kernels.bias_gelu import bias_gelu as triton_bias_gelu
