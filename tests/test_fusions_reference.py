@@ -136,6 +136,15 @@ def test_cross_entropy_reference_is_f_cross_entropy(dtype):
                                atol=1e-6 if dtype == torch.float32 else 1e-3)
 
 
+def test_cross_entropy_of_16_bit_logits_leaves_them_alone_even_inplace():
+    """bf16 logits: the loss works in its own fp32 copy (the fp32 in-place path must not take them)."""
+    logits = (torch.randn(5, 300) * 3).to(torch.bfloat16)
+    before, labels = logits.clone(), torch.randint(0, 300, (5,))
+    loss = cross_entropy(logits, labels, backend="torch", inplace=True)
+    assert torch.equal(logits, before)
+    torch.testing.assert_close(loss, F.cross_entropy(before.float(), labels, reduction="none"), rtol=1e-5, atol=1e-5)
+
+
 def test_cross_entropy_inplace_reuses_the_logits_and_gives_the_same_loss_and_gradient():
     hidden = torch.randn(33, 16, requires_grad=True)
     head = torch.randn(1000, 16, requires_grad=True)

@@ -33,10 +33,14 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         safe_labels = torch.where(in_shard, local_labels, torch.zeros_like(local_labels))
         global_max = all_reduce_max(logits.amax(dim=-1).float(), group)
         target = logits.gather(-1, safe_labels.unsqueeze(-1)).squeeze(-1).float() - global_max
-        if inplace and logits.dtype == torch.float32:
+        if logits.dtype != torch.float32:
+            # 16-bit: one fp32 copy, then in place; a mixed-dtype sub on a CPU casts into a temporary of
+            # that size first and writes a second one (two fresh 8 MB buffers per micro batch at 512 x 4096)
+            exp_logits = logits.float().sub_(global_max.unsqueeze(-1)).exp_()
+        elif inplace:
             exp_logits = logits.sub_(global_max.unsqueeze(-1)).exp_()  # no fresh buffer to fault in
         else:
-            exp_logits = torch.sub(logits, global_max.unsqueeze(-1)).exp_()  # fp32 by type promotion
+            exp_logits = torch.sub(logits, global_max.unsqueeze(-1)).exp_()
         sum_exp, target = all_reduce_sum(torch.stack([exp_logits.sum(dim=-1), target * in_shard]), group).unbind(0)
         ctx.save_for_backward(exp_logits, sum_exp, safe_labels, in_shard)
         ctx.backward_done = False
