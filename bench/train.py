@@ -14,7 +14,8 @@ work). Runs alternate (ours, hf, hf, ours, ...) in one process; each side keeps 
 absolute figures. The ratios (ours over the baseline, fraction_of_gemm, ratio_bound) come from --rounds
 paired rounds instead: two steps of each side (after an untimed one) and one pass of the model's
 GEMMs back to back, so that the machine's drifting speed cancels within a round; the JSON gives their
-medians and quartiles (`paired`), and the best runs' ratio beside them (`ratio_best_runs`).
+medians and quartiles (`paired`), and the best runs' ratio beside them (`ratio_best_runs`); the target is
+judged on the lower of the two (`ratio_conservative`).
 
 Reports steady-state tokens/s, ms per iteration, TFLOP/s per device (Megatron's formula), MFU where
 the device's peak is known (never on a CPU), and peak memory (CUDA: max allocated; CPU: the
@@ -434,6 +435,10 @@ def _run(setup, recipe, overrides, iters, warmup, repeats, baseline, write, echo
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
+        # How freed host memory is kept: both sides share the process, so both run under it. glibc's default
+        # returns large freed blocks to the OS, and a step that allocates fresh ones pays page faults for them.
+        "host_allocator": (f"glibc, GLIBC_TUNABLES={os.environ['GLIBC_TUNABLES']}" if os.environ.get("GLIBC_TUNABLES")
+                           else "process default (glibc malloc on Linux)") if setup.device.type == "cpu" else None,
         "model": {"num_layers": m.num_layers, "hidden_size": m.hidden_size, "heads": m.num_attention_heads,
                   "seq_length": m.seq_length, "padded_vocab_size": setup.padded_vocab},
         "micro_batch_size": t.micro_batch_size,
@@ -453,6 +458,7 @@ def _run(setup, recipe, overrides, iters, warmup, repeats, baseline, write, echo
     }
     if baseline:
         ratio, bound = paired["ratio_quartiles"][1], paired["ratio_bound_quartiles"][1]
+        best_runs = best["ours"]["tokens_per_s"] / best["baseline"]["tokens_per_s"]
         target = TARGET_RATIO[setup.device.type]
         result.update({
             "baseline_name": "transformers GPT2LMHeadModel (sdpa) + torch.optim.AdamW",
@@ -461,13 +467,17 @@ def _run(setup, recipe, overrides, iters, warmup, repeats, baseline, write, echo
             "baseline_tokens_per_s": best["baseline"]["tokens_per_s"],
             "baseline_all_tokens_per_s": [r["tokens_per_s"] for r in runs["baseline"]],
             "ratio": ratio,  # median of the paired rounds' ratios (see paired_rounds)
-            "ratio_best_runs": best["ours"]["tokens_per_s"] / best["baseline"]["tokens_per_s"],
+            "ratio_best_runs": best_runs,
+            # The target is judged on the lower of the two: with glibc's default malloc, transformers' step
+            # runs slower with our model alive in the process (1290-1730 ms against 1213-1265 alone, bf16
+            # 12x768), which the paired rounds count against it; each side's own best run does not.
+            "ratio_conservative": min(ratio, best_runs),
             "ratio_bound": bound,
             "target_ratio": target,
-            "meets_target": ratio >= target,
+            "meets_target": min(ratio, best_runs) >= target,
         })
-        echo(f"ours / transformers: {ratio:.2f}x, median of {rounds} paired rounds (target {target}x; at most "
-             f"{bound:.2f}x here: the baseline's step time over its GEMMs' time)")
+        echo(f"ours / transformers: {ratio:.2f}x, median of {rounds} paired rounds; {best_runs:.2f}x, best runs "
+             f"(target {target}x on the lower; at most {bound:.2f}x here: the baseline's step time over its GEMMs' time)")
     if write:
         result["results_file"] = str(write_results(result, results_dir))
     return result
