@@ -223,3 +223,23 @@ def test_step_count_keeps_counting_after_a_resume(precision):
     opt2.load_state_dict(saved)
     steps(opt2, model2, 5)
     assert saved["step"] == 3 and opt2.state_dict()["step"] == 8
+
+
+def test_flat_spans_merge_back_to_back_views_and_keep_every_element_as_often():
+    """The norm and the clip run over the gradient buckets' spans, not one kernel per parameter: views
+    that tile a buffer (in any order) merge; a gap, another buffer or a strided tensor keeps them apart,
+    and a tensor given twice still counts twice."""
+    from megatron_core.optimizer.clip_grads import clip_by_norm_, flat_spans, global_grad_norm
+
+    buffer, other = torch.randn(100), torch.randn(4, 3)
+    views = [buffer[50:70].view(4, 5), buffer[0:20].view(2, 10), buffer[20:50], buffer[80:90], other.t(), buffer[:20]]
+    spans = flat_spans(views)
+    assert sorted((s.storage_offset(), s.numel()) for s in spans if s.is_contiguous()) == [(0, 20), (0, 70), (80, 10)]
+    assert sum(s.numel() for s in spans) == sum(v.numel() for v in views)
+    assert all(s.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr() for s in spans if s.dim() == 1)
+    want = torch.cat([v.reshape(-1) for v in views]).norm()
+    assert global_grad_norm(views, []) == pytest.approx(float(want), rel=1e-6)
+    before = buffer.clone()
+    clip_by_norm_(views[:4], float(want), max_norm=float(want) / 2)  # each element scaled once
+    assert torch.allclose(buffer[:70], before[:70] / 2) and torch.allclose(buffer[80:90], before[80:90] / 2)
+    assert torch.equal(buffer[70:80], before[70:80]) and torch.equal(buffer[90:], before[90:])

@@ -23,6 +23,32 @@ def counts_for_norm(param: torch.Tensor) -> bool:
     return getattr(param, "tensor_model_parallel", False) or ps.get_tensor_model_parallel_rank() == 0
 
 
+def flat_spans(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The same elements as fewer, longer 1-D tensors, for a norm or a scale, where order does not matter:
+    contiguous tensors that lie back to back in one storage (the main_grad views of a gradient bucket)
+    become one view of their span. Over two buckets that is 2 kernels instead of one per parameter (148
+    at 12 layers: 25 ms of a CPU step for the norm, against about 10 for the same bytes in two passes).
+    Nothing is merged that overlaps or has a gap; the rest stays as it is."""
+    def place(t: torch.Tensor):
+        return t.untyped_storage().data_ptr(), str(t.dtype), str(t.device), t.storage_offset()
+
+    flat = sorted((t for t in tensors if t.is_contiguous()), key=place)
+    spans: list[torch.Tensor] = [t for t in tensors if not t.is_contiguous()]
+    run, run_place, run_end = None, None, None
+    for t in flat:
+        storage, dtype, device, offset = place(t)
+        if run is not None and run_place == (storage, dtype, device) and offset == run_end:
+            run = run.as_strided((run.numel() + t.numel(),), (1,), run.storage_offset())
+        else:
+            if run is not None:
+                spans.append(run)
+            run = t.reshape(-1)
+        run_place, run_end = (storage, dtype, device), offset + t.numel()
+    if run is not None:
+        spans.append(run)
+    return spans
+
+
 def _all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(tensor, op=op, group=group)
@@ -32,7 +58,7 @@ def global_grad_norm(grads: Sequence[torch.Tensor], groups: Iterable, device: Op
     """L2 norm of `grads` (the ones counts_for_norm keeps), squared sums added over each group."""
     device = grads[0].device if grads else (device or torch.device("cpu"))
     if grads:
-        norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads], 2)
+        norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in flat_spans(grads)], 2)
         total = torch.stack(norms).square().sum()
     else:
         total = torch.zeros((), dtype=torch.float32, device=device)
@@ -59,4 +85,4 @@ def clip_by_norm_(grads: Sequence[torch.Tensor], grad_norm: float, max_norm: flo
     if max_norm > 0 and grads and math.isfinite(grad_norm):
         coeff = max_norm / (grad_norm + 1.0e-6)
         if coeff < 1.0:
-            torch._foreach_mul_(list(grads), coeff)
+            torch._foreach_mul_(flat_spans(grads), coeff)
