@@ -243,3 +243,18 @@ def test_flat_spans_merge_back_to_back_views_and_keep_every_element_as_often():
     clip_by_norm_(views[:4], float(want), max_norm=float(want) / 2)  # each element scaled once
     assert torch.allclose(buffer[:70], before[:70] / 2) and torch.allclose(buffer[80:90], before[80:90] / 2)
     assert torch.equal(buffer[70:80], before[70:80]) and torch.equal(buffer[90:], before[90:])
+
+
+def test_flat_spans_keep_the_callers_order_of_buffers_not_their_addresses():
+    """The spans' order is the order the norm's partial sums are added in: it must follow the caller's
+    list, never the allocator's addresses, or a resumed run's grad norm (and then its weights) changes in
+    the last bits (the TP2 x PP2 and PP2 x VPP2 resume tests caught it)."""
+    from megatron_core.optimizer.clip_grads import flat_spans
+
+    a, b = torch.randn(10), torch.randn(10)
+    low, high = sorted((a, b), key=lambda t: t.untyped_storage().data_ptr())
+    for first, second in ((high, low), (low, high)):
+        spans = flat_spans([first[5:], second[:5], first[:5], second[5:]])
+        assert [s.untyped_storage().data_ptr() for s in spans] == [first.untyped_storage().data_ptr(),
+                                                                    second.untyped_storage().data_ptr()]
+        assert [s.numel() for s in spans] == [10, 10]
