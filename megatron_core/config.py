@@ -86,7 +86,7 @@ class ModelConfig:
     bias_gelu_fusion: bool = True
     openai_gelu: bool = False
     untie_embeddings_and_output_weights: bool = False
-    # auto: our blocked causal kernel on a CPU in fp32/fp64 while no attention dropout is drawn (it
+    # auto: our blocked causal kernel on a CPU in fp32/fp64/bf16 while no attention dropout is drawn (it
     # skips masked key blocks; torch's CPU SDPA is slower there), F.scaled_dot_product_attention otherwise.
     # The same function either way: changing it on resume is safe.
     attention_backend: Literal["auto", "sdpa", "unfused", "blocked"] = "auto"

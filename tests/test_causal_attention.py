@@ -1,4 +1,4 @@
-"""The blocked causal attention kernel (CPU, fp32/fp64) against torch's SDPA, alone and inside the model."""
+"""The blocked causal attention kernel (CPU, fp32/fp64/bf16) against torch's SDPA, alone and inside the model."""
 
 import pytest
 import torch
@@ -8,7 +8,7 @@ from torch.testing import assert_close
 from megatron_core.config import ModelConfig, ParallelConfig
 from megatron_core.errors import UserError
 from megatron_core.fusions import causal_attention
-from megatron_core.fusions.causal_attention import BLOCK_ROWS, blocked_causal_attention
+from megatron_core.fusions.causal_attention import BLOCK_ROWS, block_rows, blocked_causal_attention
 from megatron_core.models import GPTModel
 
 VOCAB = 64
@@ -41,6 +41,27 @@ def test_equals_sdpa_forward_and_backward(s, dtype, tol):
     assert out.shape == (s, b, heads * head_dim) and dqkv.shape == qkv.shape
     assert_close(out, want_out, rtol=tol, atol=tol)
     assert_close(dqkv, want_dqkv, rtol=tol, atol=tol)
+
+
+def _relative_error(got, want):
+    return ((got.double() - want).abs().max() / want.abs().max()).item()
+
+
+# bf16 runs its own block size; s: one block, a ragged second, several blocks
+@pytest.mark.parametrize("s", [40, block_rows(torch.bfloat16) + 37, 3 * block_rows(torch.bfloat16)])
+def test_bf16_is_as_close_to_the_exact_answer_as_sdpa_in_bf16(s):
+    """bf16 has no exact reference: both kernels are judged against fp64 SDPA on the same (bf16-rounded)
+    inputs, and ours may not be much further from it than SDPA's bf16 kernel is."""
+    heads, head_dim, b = 4, 64, 2
+    g = torch.Generator().manual_seed(s)
+    qkv = torch.randn(s, b, heads * 3 * head_dim, generator=g).to(torch.bfloat16)
+    grad = torch.randn(s, b, heads * head_dim, generator=g).to(torch.bfloat16)
+    exact_out, exact_dqkv = outputs_and_grads(sdpa_attention, qkv.double(), grad.double(), heads, head_dim)
+    out, dqkv = outputs_and_grads(blocked_causal_attention, qkv, grad, heads, head_dim)
+    sdpa_out, sdpa_dqkv = outputs_and_grads(sdpa_attention, qkv, grad, heads, head_dim)
+    assert out.dtype == dqkv.dtype == torch.bfloat16
+    assert _relative_error(out, exact_out) <= max(2 * _relative_error(sdpa_out, exact_out), 1e-2)
+    assert _relative_error(dqkv, exact_dqkv) <= max(2 * _relative_error(sdpa_dqkv, exact_dqkv), 1e-2)
 
 
 def test_gradcheck_across_a_block_boundary():
@@ -79,8 +100,8 @@ def test_leaves_the_callers_qkv_alone_even_when_a_copy_could_be_a_view():
 
 
 def test_refuses_what_it_cannot_run():
-    with pytest.raises(UserError, match="fp32/fp64"):
-        blocked_causal_attention(torch.randn(4, 1, 24, dtype=torch.bfloat16), 2, 4)
+    with pytest.raises(UserError, match="fp32/fp64/bf16"):
+        blocked_causal_attention(torch.randn(4, 1, 24, dtype=torch.float16), 2, 4)
     with pytest.raises(UserError, match=r"heads \* 3 \* head_dim"):
         blocked_causal_attention(torch.randn(4, 1, 20), 2, 4)
 
@@ -121,7 +142,8 @@ def test_auto_keeps_sdpa_while_attention_dropout_is_drawn():
     assert not attention.runs_blocked(qkv)  # training: the kernel has no dropout
     model.eval()
     assert attention.runs_blocked(qkv)  # evaluation draws none
-    assert not attention.runs_blocked(qkv.to(torch.bfloat16))
+    assert attention.runs_blocked(qkv.to(torch.bfloat16))
+    assert not attention.runs_blocked(qkv.to(torch.float16))  # SDPA's
 
 
 def test_selective_recompute_of_the_blocked_kernel_gives_the_same_gradients():

@@ -184,7 +184,7 @@ class SelfAttention(nn.Module):
             return F.dropout(probs, p=p, training=self.training) @ v
 
     def runs_blocked(self, qkv) -> bool:
-        """Whether this call takes the blocked CPU kernel: asked for, or `auto` on a CPU in fp32/fp64
+        """Whether this call takes the blocked CPU kernel: asked for, or `auto` on a CPU in fp32/fp64/bf16
         while no attention dropout is drawn (the kernel has none; SDPA serves that case)."""
         dropout_drawn = self.training and self.attention_dropout > 0.0
         if self.backend == "blocked":
@@ -391,7 +391,7 @@ class GPTModel(nn.Module):
     def describe_backends(self) -> str:
         attention = {"sdpa": "F.scaled_dot_product_attention", "unfused": "explicit softmax(QK^T)V",
                      "blocked": "blocked causal (CPU)",
-                     "auto": "auto (blocked causal on a CPU in fp32/fp64 unless training draws attention dropout, "
+                     "auto": "auto (blocked causal on a CPU in fp32/fp64/bf16 unless training draws attention dropout, "
                              "else F.scaled_dot_product_attention)"}
         return (f"attention: {attention[self.config.attention_backend]}; {self.ops.describe()}; "
                 f"recompute: {self.parallel.recompute_granularity or 'none'}")
