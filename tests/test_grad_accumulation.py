@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.testing import assert_close
 
 from megatron_core.config import ModelConfig, ParallelConfig
 from megatron_core.distributed import DistributedDataParallel, grad_sync
@@ -185,3 +186,43 @@ def test_fp32_iterations_without_zero_grad_buffer_lose_nothing():
         assert opt.step()[0]
     for name, grad in firsts[0].items():
         assert torch.equal(firsts[1][name], grad) and grad.abs().sum() > 0, name
+
+
+class _TwoHeads(torch.nn.Module):
+    """Two branches, so an iteration can leave one of them without a gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
+
+    def forward(self, x, use_b: bool = True):
+        return self.a(x).sum() + (self.b(x).sum() if use_b else 0.0)
+
+
+@pytest.mark.parametrize("clear", ["zero_grad_buffer", "next_backward"])
+def test_a_parameter_without_a_gradient_this_iteration_reads_zero_not_the_last_one(clear):
+    """main_grad is not filled when an iteration starts (the first gradient is copied in); what no
+    backward wrote must still read zero after finish_grad_sync, not the previous iteration's gradient."""
+    wrapped = DistributedDataParallel(_TwoHeads(), ParallelConfig(), grad_dtype=torch.float32)
+    x = torch.randn(3, 8)
+    wrapped(x).backward()
+    wrapped.finish_grad_sync()
+    assert wrapped.module.b.weight.main_grad.abs().sum() > 0
+    if clear == "zero_grad_buffer":
+        wrapped.zero_grad_buffer()
+    with wrapped.no_sync():
+        wrapped(x, use_b=False).backward()
+    wrapped(2 * x, use_b=False).backward()
+    wrapped.finish_grad_sync()
+    assert torch.equal(wrapped.module.b.weight.main_grad, torch.zeros(4, 8))
+    assert torch.equal(wrapped.module.b.bias.main_grad, torch.zeros(4))
+    assert_close(wrapped.module.a.weight.main_grad, x.sum(0).expand(4, 8) * 3)  # x's micro batch, then 2x's
+
+
+def test_an_iteration_without_any_backward_reads_zero_gradients():
+    wrapped = DistributedDataParallel(_TwoHeads(), ParallelConfig(), grad_dtype=torch.float32)
+    wrapped(torch.randn(3, 8)).backward()
+    wrapped.finish_grad_sync()
+    wrapped.zero_grad_buffer()
+    wrapped.finish_grad_sync()
+    assert all(torch.equal(p.main_grad, torch.zeros_like(p)) for p in wrapped.module.parameters())
