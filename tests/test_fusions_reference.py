@@ -176,14 +176,14 @@ def test_resolve_backends_on_cpu_and_overrides():
     assert resolve_backends("auto", {"bias_gelu": "compile"}, device="cpu").bias_gelu == "compile"
 
 
-def test_auto_compiles_bias_gelu_for_16_bit_activations_on_a_cpu(monkeypatch):
-    """The torch backend's bf16 bias-GeLU is F.gelu's slow tanh: "auto" takes the compiled one there, and
-    only there; without a C++ compiler it settles for torch instead of failing."""
+def test_auto_compiles_bias_gelu_for_training_dtypes_on_a_cpu(monkeypatch):
+    """On a CPU "auto" takes the compiled bias-GeLU in fp32, bf16 and fp16 (and nothing else compiled); not
+    in fp64 or with the dtype unknown; without a C++ compiler it settles for torch instead of failing."""
     from megatron_core.fusions import backends
 
-    for dtype in (torch.bfloat16, torch.float16):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
         assert resolve_backends("auto", device="cpu", dtype=dtype) == FusionBackends(bias_gelu="compile", device="cpu")
-    for dtype in (torch.float32, None):
+    for dtype in (torch.float64, None):
         assert resolve_backends("auto", device="cpu", dtype=dtype).bias_gelu == "torch"
     assert resolve_backends("torch", device="cpu", dtype=torch.bfloat16).bias_gelu == "torch"  # asked for
     monkeypatch.setattr(backends, "_COMPILE_USABLE_ON", set())

@@ -4,10 +4,9 @@ Backends: "triton" (our @triton.jit kernels), "apex" (NVIDIA Apex, LayerNorm onl
 backend's own formulas through torch.compile, as Megatron's ``jit_fuser`` does: inductor fuses each into
 generated C++ loops on a CPU, Triton kernels on CUDA; bias-GeLU only), "torch" (the plain
 PyTorch reference). "auto" means, on CUDA, Triton for the fusions whose kernels beat PyTorch there
-(_AUTO_TRITON_ON_CUDA) and torch for the rest; on a CPU torch, except bias-GeLU in 16-bit
-(_AUTO_COMPILE_ON_CPU_16BIT), where it takes "compile" when a C++ compiler is there. In fp32 "compile" is asked for,
-not chosen (it made bias-GeLU faster on a CPU but not the whole step beyond the noise, and costs a compile at
-start-up; the figures are at _COMPILE_FUSIONS). Apex is used for LayerNorm only when it is asked for (``fusions: apex`` or an override), never
+(_AUTO_TRITON_ON_CUDA) and torch for the rest; on a CPU torch, except bias-GeLU in fp32, bf16 and fp16
+(_AUTO_COMPILE_ON_CPU, _AUTO_COMPILE_DTYPES), where it takes "compile" when a C++ compiler is there (the first
+compile takes about 20 s; inductor's disk cache serves later processes). Apex is used for LayerNorm only when it is asked for (``fusions: apex`` or an override), never
 picked behind the user's back.
 
 Triton on a CPU works only through Triton's interpreter, which must be switched on with TRITON_INTERPRET=1
@@ -34,11 +33,15 @@ _APEX_FUSIONS = frozenset({"layer_norm"})
 # already in place and compiled it took 11.3 ms against 12.3 at [2048, 4096], forward and backward 56
 # against 45. Layer norm and softmax are one aten kernel already.
 _COMPILE_FUSIONS = frozenset({"bias_gelu"})
-# In bf16/fp16 on a CPU the torch backend's bias-GeLU is F.gelu(x + bias), whose tanh runs slowly (the sigmoid
-# form in place would round at every pass); compiled, forward and backward at [512, 3072] bf16 took 1.7 ms
-# against 3.9 (AVX-512, 2 cores) and the 12 x 768 bf16 step 950-973 ms against 994-1036 (A/B, same process).
-# The first compile takes about 20 s; inductor's disk cache serves later processes.
-_AUTO_COMPILE_ON_CPU_16BIT = frozenset({"bias_gelu"})
+# On a CPU, A/B in one process on a 2-core AVX-512 Xeon. bf16/fp16: the torch backend's bias-GeLU is
+# F.gelu(x + bias), whose tanh runs slowly (the sigmoid form in place would round at every pass); compiled,
+# forward and backward at [512, 3072] took 1.7 ms against 3.9 and the 12 x 768 step 950-973 ms against
+# 994-1036. fp32: the torch backend's in-place passes each take a fresh 4 MB buffer whose pages fault in
+# (an addcmul 0.8 ms inside the step, 0.15 alone); compiled, the codeparrot-tiny step took 241-247 ms
+# against 250-260 (medians of 40 steps). (On the AVX2 machine before, alternating whole runs did not
+# separate fp32 from the noise.) fp64 stays eager: it is for checking, not for speed.
+_AUTO_COMPILE_ON_CPU = frozenset({"bias_gelu"})
+_AUTO_COMPILE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # What "auto" runs on Triton on CUDA: only where our kernel was measured faster than our PyTorch reference
 # (backend "torch"). On one H200 (bench/results/kernels-20261204-155904.json, bf16, 12288 tokens, hidden
 # 768, vocab 32768), forward and backward: softmax 6.7x, cross entropy 5.0x faster; layer norm 0.21x,
@@ -172,7 +175,7 @@ def _auto_backend(fusion: str, device, dtype: torch.dtype | None) -> str:
     kind = _device_type(device)
     if fusion in _AUTO_TRITON_ON_CUDA and kind == "cuda" and triton_problem(device) is None:
         return "triton"
-    if (fusion in _AUTO_COMPILE_ON_CPU_16BIT and kind == "cpu" and dtype in (torch.bfloat16, torch.float16)
+    if (fusion in _AUTO_COMPILE_ON_CPU and kind == "cpu" and dtype in _AUTO_COMPILE_DTYPES
             and compile_problem(device) is None):
         return "compile"
     return "torch"
