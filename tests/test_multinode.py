@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -27,20 +29,26 @@ def _env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def _run_nodes(commands: list[list[str]], **popen) -> list[str]:
+def _run_nodes(commands: list[list[str]], timeout: float = 300, **popen) -> list[str]:
     """Start every node's command at once (they rendezvous), wait, and return each one's output."""
-    nodes = [subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
-             for cmd in commands]
-    outputs = []
+    nodes = [subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True, **popen) for cmd in commands]
+    outputs, deadline = [], time.monotonic() + timeout
     try:
         for node in nodes:
-            outputs.append(node.communicate(timeout=300)[0])
+            try:
+                outputs.append(node.communicate(timeout=max(deadline - time.monotonic(), 1))[0])
+            except subprocess.TimeoutExpired:
+                outputs.append(None)
     finally:
-        for node in nodes:
+        for node in nodes:  # torchrun and its workers: the whole process group, so no rank outlives the test
             if node.poll() is None:
-                node.kill()
-    for rank, (node, out) in enumerate(zip(nodes, outputs)):
-        assert node.returncode == 0, f"node {rank} failed:\n{out[-3000:]}"
+                os.killpg(node.pid, signal.SIGKILL)
+    # A node that hangs usually waits on one that failed: show every node's output, not the first one's.
+    outputs = [out if out is not None else node.communicate()[0] for node, out in zip(nodes, outputs)]
+    report = "\n".join(f"--- node {rank} (exit {node.returncode}) ---\n{out[-3000:]}"
+                       for rank, (node, out) in enumerate(zip(nodes, outputs)))
+    assert all(node.returncode == 0 for node in nodes), f"a node failed or hung past {timeout} s:\n{report}"
     return outputs
 
 
