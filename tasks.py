@@ -380,9 +380,11 @@ def bench_dataset(c, train_iters=150000, global_batch_size=192, seq_length=1024)
 @recipe_task(name="train", help={"iters": "timed iterations per run", "warmup": "untimed iterations first",
                                  "repeats": "alternating runs of each side (best kept)",
                                  "baseline": "hf: also train transformers' GPT2LMHeadModel + torch AdamW",
-                                 "rounds": "paired rounds (two steps of each side, one GEMM pass) behind the ratios"})
+                                 "rounds": "paired rounds (two steps of each side, one GEMM pass) behind the ratios",
+                                 "allow_emulated_gemm": "time bf16 even where its matmuls are emulated (no target "
+                                                        "is judged)"})
 def bench_train(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, iters=20, warmup=3, repeats=2,
-                baseline=None, rounds=10):
+                baseline=None, rounds=10, allow_emulated_gemm=False):
     """Training throughput of our core (tokens/s, ms/iter, TFLOP/s, MFU, peak memory), optionally vs transformers."""
     argv = ["--recipe", recipe, "--workdir", str(workdir), "--iters", str(iters), "--warmup", str(warmup),
             "--repeats", str(repeats), "--rounds", str(rounds)]
@@ -390,6 +392,8 @@ def bench_train(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, it
         argv += ["--set", item]
     if baseline:
         argv += ["--baseline", baseline]
+    if allow_emulated_gemm:
+        argv.append("--allow-emulated-gemm")
     _bench_exit(_bench_module("train").main(argv))
 
 

@@ -93,3 +93,37 @@ def measure(gemms: list[Gemm], micro_batches: int, dtype: torch.dtype, device: t
         total_flops += flops
     return {"dtype": str(dtype).replace("torch.", ""), "gemm_ms_per_iteration": total_seconds * 1e3,
             "gemm_flops_per_iteration": total_flops, "gemm_tflops": total_flops / total_seconds / 1e12, "gemms": rows}
+
+
+# Below this fraction of float32's matmul speed a 16-bit GEMM is taken as emulated: on a CPU without
+# AVX512-BF16/AMX torch multiplies bf16 in a scalar fallback (an AMD EPYC with AVX2: 0.76 GFLOP/s against
+# 99 in fp32, 130x slower), where hardware bf16 runs as fast as fp32 or faster (AMX: 1.8 TFLOP/s).
+NATIVE_FRACTION_OF_FP32 = 0.25
+
+
+def gemm_speed_check(dtype: torch.dtype, device: torch.device, size: int = 256, repeats: int = 3) -> dict:
+    """Whether this device multiplies `dtype` at hardware speed: a [size]^3 matmul's GFLOP/s in `dtype`
+    against float32 (best of `repeats`), and the CPU's bf16 instructions as torch reports them."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    a, b = (torch.randn(size, size, generator=gen) for _ in range(2))
+    gflops = {}
+    for kind in dict.fromkeys((dtype, torch.float32)):
+        x, y = a.to(device, kind), b.to(device, kind)
+        out = torch.empty(size, size, device=device, dtype=kind)
+        torch.mm(x, y, out=out)  # warm-up
+        best = float("inf")
+        for _ in range(repeats):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            torch.mm(x, y, out=out)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - start)
+        gflops[kind] = 2.0 * size ** 3 / best / 1e9
+    check = {"dtype": str(dtype).replace("torch.", ""), "gflops": gflops[dtype], "fp32_gflops": gflops[torch.float32],
+             "native": gflops[dtype] >= NATIVE_FRACTION_OF_FP32 * gflops[torch.float32]}
+    if device.type == "cpu":  # private but stable helpers (torch.cpu); absent ones read as unknown
+        check["cpu_bf16_instructions"] = {name: getattr(torch.cpu, f"_is_{name}_supported", lambda: None)()
+                                          for name in ("avx512_bf16", "amx_tile")}
+    return check

@@ -42,6 +42,7 @@ def test_same_work_and_promised_keys(smoke_bench):
     # The target is judged on the lower of the two ratios, never on the kinder one alone.
     assert result["ratio_conservative"] == min(result["ratio"], result["ratio_best_runs"])
     assert result["meets_target"] == (result["ratio_conservative"] >= result["target_ratio"])
+    assert result["gemm_check"]["native"] and result["gemm_check"]["dtype"] == "float32"
     assert result["host_allocator"]
     assert len(result["ours_all_tokens_per_s"]) == len(result["baseline_all_tokens_per_s"]) == 2
     assert result["ours"]["peak_memory_mb"] > 0 and "mfu" not in result["ours"]  # no MFU invented on a CPU
@@ -99,7 +100,13 @@ def test_bf16_baseline_does_the_same_work_with_16_bit_weights_and_fp32_masters(s
 
     _, _, workdir = smoke_bench
     result = bench_train.run("smoke", ["bf16=true"], str(workdir), iters=1, warmup=0, repeats=1, baseline="hf",
-                             echo=lambda _: None, results_dir=tmp_path, rounds=1)
+                             echo=lambda _: None, results_dir=tmp_path, rounds=1, allow_emulated_gemm=True)
+    # Where bf16 matmuls are emulated (a CPU without AVX512-BF16/AMX) the figures are kept, never judged.
+    assert result["gemm_check"]["dtype"] == "bfloat16"
+    if result["gemm_check"]["native"]:
+        assert isinstance(result["meets_target"], bool)
+    else:
+        assert result["meets_target"] is None
     assert result["precision"] == "bf16" and result["roofline"]["dtype"] == "bfloat16"
     assert result["same_work_check"]["relative_difference"] < 1e-3  # measured 3e-6 here
     # dropout off: bench.train itself refuses a bf16 drift over 5e-4 within the first 3 steps
@@ -110,3 +117,33 @@ def test_bf16_baseline_does_the_same_work_with_16_bit_weights_and_fp32_masters(s
         assert "autocast" not in result["regime"][side]
     assert result["ratio_bound"] == result["paired"]["ratio_bound_quartiles"][1] > 0
     assert result["cpu_capability"]
+
+
+def test_gemm_speed_check_measures_the_dtype_against_float32():
+    import torch
+
+    from bench import roofline
+
+    fp32 = roofline.gemm_speed_check(torch.float32, torch.device("cpu"), size=64)
+    assert fp32["native"] and fp32["gflops"] == fp32["fp32_gflops"] > 0
+    bf16 = roofline.gemm_speed_check(torch.bfloat16, torch.device("cpu"), size=64)
+    assert bf16["gflops"] > 0 and bf16["fp32_gflops"] > 0
+    assert bf16["native"] == (bf16["gflops"] >= roofline.NATIVE_FRACTION_OF_FP32 * bf16["fp32_gflops"])
+    assert set(bf16["cpu_bf16_instructions"]) == {"avx512_bf16", "amx_tile"}
+
+
+def test_emulated_gemms_are_refused_in_one_line_before_any_data_step(tmp_path, monkeypatch, capsys):
+    """A timing of emulated matmuls (bf16 on an AVX2 CPU: 130x slower than fp32) says nothing about the
+    step and takes hours at CodeParrot-small's shape: refused before the data steps run, unless allowed.
+    The threshold is raised so that this host's real measurement reads as emulated, whatever the CPU."""
+    import bench.train as bench_train
+    from bench import roofline
+
+    monkeypatch.setattr(roofline, "NATIVE_FRACTION_OF_FP32", float("inf"))
+    workdir = tmp_path / "work"
+    rc = bench_train.main(["--recipe", "smoke", "--set", "bf16=true", "--workdir", str(workdir),
+                           "--results-dir", str(tmp_path / "results")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1
+    assert err.startswith("error: bfloat16 matmuls are emulated on this cpu (") and "--allow-emulated-gemm" in err
+    assert not workdir.exists() and not (tmp_path / "results").exists()
