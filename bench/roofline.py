@@ -91,7 +91,7 @@ def measure(gemms: list[Gemm], micro_batches: int, dtype: torch.dtype, device: t
                      * micro_batches, "ms": seconds * 1e3, "tflops": flops / seconds / 1e12})
         total_seconds += seconds
         total_flops += flops
-    return {"dtype": str(dtype).replace("torch.", ""), "gemm_ms_per_iteration": total_seconds * 1e3,
+    return {"dtype": _name(dtype), "gemm_ms_per_iteration": total_seconds * 1e3,
             "gemm_flops_per_iteration": total_flops, "gemm_tflops": total_flops / total_seconds / 1e12, "gemms": rows}
 
 
@@ -102,28 +102,25 @@ NATIVE_FRACTION_OF_FP32 = 0.25
 
 
 def gemm_speed_check(dtype: torch.dtype, device: torch.device, size: int = 256, repeats: int = 3) -> dict:
-    """Whether this device multiplies `dtype` at hardware speed: a [size]^3 matmul's GFLOP/s in `dtype`
-    against float32 (best of `repeats`), and the CPU's bf16 instructions as torch reports them."""
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    a, b = (torch.randn(size, size, generator=gen) for _ in range(2))
-    gflops = {}
-    for kind in dict.fromkeys((dtype, torch.float32)):
-        x, y = a.to(device, kind), b.to(device, kind)
-        out = torch.empty(size, size, device=device, dtype=kind)
-        torch.mm(x, y, out=out)  # warm-up
-        best = float("inf")
-        for _ in range(repeats):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            torch.mm(x, y, out=out)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            best = min(best, time.perf_counter() - start)
-        gflops[kind] = 2.0 * size ** 3 / best / 1e9
-    check = {"dtype": str(dtype).replace("torch.", ""), "gflops": gflops[dtype], "fp32_gflops": gflops[torch.float32],
+    """Whether this device multiplies `dtype` at hardware speed: a [size]^3 GEMM's GFLOP/s (forward and
+    both gradients, timed as the roofline times them) in `dtype` against float32, and the CPU's bf16
+    instructions as torch reports them."""
+    probe = Gemm("probe", 1, size, size, size, 1)
+    gflops = {kind: probe.flops / _time_gemm(probe, kind, device, repeats) / 1e9
+              for kind in dict.fromkeys((dtype, torch.float32))}
+    check = {"dtype": _name(dtype), "gflops": gflops[dtype], "fp32_gflops": gflops[torch.float32],
              "native": gflops[dtype] >= NATIVE_FRACTION_OF_FP32 * gflops[torch.float32]}
     if device.type == "cpu":  # private but stable helpers (torch.cpu); absent ones read as unknown
         check["cpu_bf16_instructions"] = {name: getattr(torch.cpu, f"_is_{name}_supported", lambda: None)()
                                           for name in ("avx512_bf16", "amx_tile")}
     return check
+
+
+def emulated_summary(check: dict) -> str:
+    """The figures behind a gemm_speed_check that found the dtype emulated, for the refusal and the warning."""
+    return (f"{check['dtype']} matmuls are emulated here ({check['gflops']:.1f} GFLOP/s against "
+            f"{check['fp32_gflops']:.0f} in float32; CPU bf16 instructions {check.get('cpu_bf16_instructions')})")
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")

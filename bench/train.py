@@ -333,10 +333,9 @@ def check_gemm_dtype(recipe: config.Recipe, allow_emulated: bool) -> dict:
     check = roofline.gemm_speed_check(train_lib.precision_of(recipe)[1], device)
     if not check["native"] and not allow_emulated:
         raise UserError(
-            f"{check['dtype']} matmuls are emulated on this {device.type} ({check['gflops']:.1f} GFLOP/s against "
-            f"{check['fp32_gflops']:.0f} in float32; CPU bf16 instructions {check.get('cpu_bf16_instructions')}): "
-            f"a timing would measure the fallback, not the step; time {check['dtype']} on a GPU or a CPU with "
-            f"AVX512-BF16/AMX, use --set bf16=false, or pass --allow-emulated-gemm to run it anyway")
+            f"{roofline.emulated_summary(check)}: a timing would measure the fallback, not the step; time "
+            f"{check['dtype']} on a GPU or a CPU with AVX512-BF16/AMX, use --set bf16=false, or pass "
+            f"--allow-emulated-gemm to run it anyway")
     return check
 
 
@@ -362,8 +361,8 @@ def _run(setup, recipe, overrides, iters, warmup, repeats, baseline, write, echo
          f"{setup.tokens_per_iteration} tokens per iteration, {iters} timed after {warmup} warm-up, "
          f"{repeats} alternating runs", )
     if not gemm_check["native"]:
-        echo(f"warning: {gemm_check['dtype']} matmuls are emulated here ({gemm_check['gflops']:.1f} GFLOP/s against "
-             f"{gemm_check['fp32_gflops']:.0f} in float32): the figures describe the fallback; no target is judged")
+        echo(f"warning: {roofline.emulated_summary(gemm_check)}: the figures describe the fallback; "
+             "no target is judged")
 
     # Same work check: one step of each from the same weights (ours, converted), dropout off.
     check, start_state = None, None
