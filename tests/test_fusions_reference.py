@@ -109,7 +109,8 @@ def test_causal_softmax_reference_is_megatron_masked_softmax():
 
 
 def test_bias_dropout_add_reference_seeded_masks():
-    x, bias, residual = torch.randn(64, 768), torch.randn(768), torch.randn(64, 768)
+    # x + bias >= 1, so no kept value rounds away against residual and `first != residual` is the mask.
+    x, bias, residual = torch.rand(64, 768) + 0.5, torch.rand(768) + 0.5, torch.randn(64, 768)
     first = bias_dropout_add(x, bias, residual, 0.2, True, generator_seed=11, backend="torch")
     assert torch.equal(first, bias_dropout_add(x, bias, residual, 0.2, True, generator_seed=11, backend="torch"))
     assert not torch.equal(first, bias_dropout_add(x, bias, residual, 0.2, True, generator_seed=12, backend="torch"))

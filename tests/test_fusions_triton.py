@@ -195,7 +195,10 @@ def test_bias_dropout_add_matches_reference_with_the_kernel_mask(rows, hidden, d
 def test_dropout_mask_is_seeded_and_keeps_one_minus_p(poisoned_outputs):
     from megatron_core.fusions.triton_kernels.bias_dropout_add import keep_mask, seed_tensor
 
-    x, residual = torch.randn(64, 1000), torch.randn(64, 1000)
+    # The kept positions are read back as `first != residual`, which holds only if every kept x/(1-p)
+    # survives the addition: a randn x near 0 rounds away against residual (by estimate 1 run in 700; CI hit it).
+    # |x| >= 0.5 against |residual| < 8 never rounds away in fp32.
+    x, residual = torch.rand(64, 1000) + 0.5, torch.randn(64, 1000)
     first = bias_dropout_add(x, None, residual, 0.3, True, generator_seed=7, backend="triton")
     again = bias_dropout_add(x, None, residual, 0.3, True, generator_seed=7, backend="triton")
     other = bias_dropout_add(x, None, residual, 0.3, True, generator_seed=8, backend="triton")
