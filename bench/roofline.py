@@ -118,8 +118,9 @@ def gemm_speed_check(dtype: torch.dtype, device: torch.device, size: int = 256, 
 
 def emulated_summary(check: dict) -> str:
     """The figures behind a gemm_speed_check that found the dtype emulated, for the refusal and the warning."""
+    cpu = check.get("cpu_bf16_instructions")  # only on a CPU: a GPU's message would read "None" otherwise
     return (f"{check['dtype']} matmuls are emulated here ({check['gflops']:.1f} GFLOP/s against "
-            f"{check['fp32_gflops']:.0f} in float32; CPU bf16 instructions {check.get('cpu_bf16_instructions')})")
+            f"{check['fp32_gflops']:.0f} in float32" + (f"; CPU bf16 instructions {cpu})" if cpu else ")"))
 
 
 def _name(dtype: torch.dtype) -> str:

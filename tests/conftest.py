@@ -1,6 +1,6 @@
 """Suite-wide test settings: the tokenizer's verdict cache lives in a temporary directory, so the
 tests neither read verdicts a user's runs left in ~/.cache nor leave any there; and torch's generator is
-seeded per test."""
+seeded per test and per module, from their names."""
 
 import os
 import zlib

@@ -130,6 +130,10 @@ def test_gemm_speed_check_measures_the_dtype_against_float32():
     assert bf16["gflops"] > 0 and bf16["fp32_gflops"] > 0
     assert bf16["native"] == (bf16["gflops"] >= roofline.NATIVE_FRACTION_OF_FP32 * bf16["fp32_gflops"])
     assert set(bf16["cpu_bf16_instructions"]) == {"avx512_bf16", "amx_tile"}
+    # A GPU's check has no CPU instruction entry, and its summary names none.
+    on_gpu = {k: v for k, v in bf16.items() if k != "cpu_bf16_instructions"}
+    assert roofline.emulated_summary(on_gpu).endswith(" in float32)")
+    assert "avx512_bf16" in roofline.emulated_summary(bf16)
 
 
 def test_emulated_gemms_are_refused_in_one_line_before_any_data_step(tmp_path, monkeypatch, capsys):
