@@ -9,6 +9,8 @@ the table lists ops by their self CPU time.
 
 from __future__ import annotations
 
+import re
+
 from torch.autograd import DeviceType
 
 
@@ -25,3 +27,22 @@ def time_table(prof, calls: int, device_type: str, unit: str = "call") -> tuple[
     table = [{"op": key, "calls": count // calls, f"ms_per_{unit}": us / 1e3 / calls, "share": us / (total_us or 1.0)}
              for key, count, us in sorted(rows, key=lambda row: -row[2])]
     return total_us / 1e3 / calls, table
+
+
+# What counts as a matrix multiply in a time table. On a CPU: the aten ops that run the GEMMs themselves (by self
+# time, so aten::linear and aten::matmul, which only dispatch to these, add nothing). On CUDA: kernels by name:
+# cuBLAS/cuBLASLt (gemm, nvjet, xmma, cublas), CUTLASS, and the fused attention kernels (flash, fmha, cuDNN sdpa),
+# which also do their softmax, so on a GPU the matmul share is an upper bound.
+CPU_MATMUL_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm"})
+CUDA_MATMUL_NAME = re.compile(r"gemm|nvjet|xmma|cublas|cutlass|flash|fmha|sdpa", re.IGNORECASE)
+
+
+def is_matmul(op: str, device_type: str) -> bool:
+    return bool(CUDA_MATMUL_NAME.search(op)) if device_type == "cuda" else op in CPU_MATMUL_OPS
+
+
+def matmul_split(table: list[dict], device_type: str, unit: str = "step") -> dict:
+    """How a whole time_table divides between matrix multiplies and everything else, in ms per `unit`."""
+    key = f"ms_per_{unit}"
+    matmul = sum(row[key] for row in table if is_matmul(row["op"], device_type))
+    return {f"matmul_{key}": matmul, f"other_{key}": sum(row[key] for row in table) - matmul}

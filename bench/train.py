@@ -339,12 +339,12 @@ def check_gemm_dtype(recipe: config.Recipe, allow_emulated: bool) -> dict:
     return check
 
 
-def profile_ours(setup: "Setup", steps: int = 3, top: int = 15) -> list[dict]:
+def profile_ours(setup: "Setup", steps: int = 3, top: int = 15) -> tuple[list[dict], dict]:
     """Where our step's time goes: torch.profiler's table (GPU kernels on CUDA, ops' self time on a CPU:
-    bench.profiling), the top entries."""
+    bench.profiling), the top entries, and the whole table's split between matmuls and the rest."""
     from torch.profiler import ProfilerActivity, profile
 
-    from bench.profiling import time_table
+    from bench.profiling import matmul_split, time_table
 
     step = build_ours(setup)[0]
     step()  # warm-up outside the profile
@@ -352,7 +352,8 @@ def profile_ours(setup: "Setup", steps: int = 3, top: int = 15) -> list[dict]:
     with profile(activities=activities) as prof:
         for _ in range(steps):
             step()
-    return time_table(prof, steps, setup.device.type, unit="step")[1][:top]
+    table = time_table(prof, steps, setup.device.type, unit="step")[1]
+    return table[:top], matmul_split(table, setup.device.type, unit="step")
 
 
 def _run(setup, recipe, overrides, iters, warmup, repeats, baseline, write, echo, results_dir,
@@ -441,7 +442,15 @@ def _run(setup, recipe, overrides, iters, warmup, repeats, baseline, write, echo
          f"{gemms['gemm_tflops']:.3f} TFLOP/s ({gemms['gemm_ms_per_iteration']:.1f} ms per iteration, best of 3; "
          f"{paired['ms_median']['gemm']:.1f} ms, median of the paired rounds); fraction_of_gemm (ours, median of "
          f"{rounds} paired rounds) {fraction:.2f}")
-    profile = profile_ours(setup, steps=profile_steps) if profile_steps else None
+    profile, split = profile_ours(setup, steps=profile_steps) if profile_steps else (None, None)
+    if split:
+        # Which side of the roofline the missing time is on: our step's own matmuls against the roofline's
+        # (layouts, weight reorders, cold caches: above 1 the GEMMs themselves are slow), or the work outside.
+        split["roofline_gemm_ms_per_iteration"] = gemms["gemm_ms_per_iteration"]
+        split["matmul_over_roofline"] = split["matmul_ms_per_step"] / gemms["gemm_ms_per_iteration"]
+        echo(f"profile (under the profiler, so a little slower): our step's matmuls {split['matmul_ms_per_step']:.1f} ms "
+             f"per iteration, {split['matmul_over_roofline']:.2f}x the roofline's GEMM time; everything else "
+             f"{split['other_ms_per_step']:.1f} ms")
     result = {
         "benchmark": "train",
         "recipe": recipe.name,
@@ -471,6 +480,7 @@ def _run(setup, recipe, overrides, iters, warmup, repeats, baseline, write, echo
         "paired": paired,
         "fraction_of_gemm": fraction,
         "ours_profile": profile,
+        "ours_step_split": split,  # matmul vs other ms per iteration, from the whole profile (bench.profiling)
         "regime": {"ours": description["precision_regime"],
                    "baseline": baseline_regime(setup.precision)},
         "ours_backends": description["backends"],

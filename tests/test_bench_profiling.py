@@ -6,7 +6,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from bench.profiling import time_table
+from bench.profiling import matmul_split, time_table
 
 
 def test_cpu_table_is_self_time_of_the_ops_that_ran():
@@ -50,3 +50,30 @@ def test_cuda_table_counts_each_kernel_once_not_again_through_the_op_that_launch
     assert [row["calls"] for row in table] == [2, 1]
     assert [round(row["share"], 6) for row in table] == [0.75, 0.25]
     assert abs(table[1]["ms_per_step"] - 1000.0 / 1e3 / 3) < 1e-12
+
+
+def test_matmul_split_adds_the_gemm_ops_of_a_cpu_profile_and_leaves_the_rest_to_other():
+    a, b, x = torch.randn(128, 96), torch.randn(96, 64), torch.randn(4, 32, 32)
+    bias = torch.randn(64)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            torch.nn.functional.linear(a, b.t(), bias).relu_()  # aten::addmm under aten::linear
+            (a @ b).sum()  # aten::mm under aten::matmul
+            torch.bmm(x, x).softmax(-1)
+    total, table = time_table(prof, 2, "cpu", unit="step")
+    split = matmul_split(table, "cpu")
+    ops = {row["op"]: row["ms_per_step"] for row in table}
+    assert {"aten::addmm", "aten::mm", "aten::bmm", "aten::relu_", "aten::_softmax"} <= set(ops)
+    expected = sum(ops.get(op, 0.0) for op in ("aten::addmm", "aten::mm", "aten::bmm"))
+    assert abs(split["matmul_ms_per_step"] - expected) < 1e-9
+    assert split["other_ms_per_step"] >= ops["aten::relu_"] + ops["aten::_softmax"]
+    assert abs(split["matmul_ms_per_step"] + split["other_ms_per_step"] - total) < 1e-9
+
+
+def test_matmul_split_of_a_cuda_table_goes_by_kernel_name():
+    table = [{"op": "nvjet_sm90_tst_192x192_64x3_2x1_v_bz_coopB_NNN", "ms_per_step": 7.0},
+             {"op": "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_kernel0_0", "ms_per_step": 4.0},
+             {"op": "sm80_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize96x128x32", "ms_per_step": 2.0},
+             {"op": "_layer_norm_bwd_kernel", "ms_per_step": 3.0},
+             {"op": "void at::native::elementwise_kernel<128, 4, CUDAFunctor_add<float>>", "ms_per_step": 1.5}]
+    assert matmul_split(table, "cuda") == {"matmul_ms_per_step": 13.0, "other_ms_per_step": 4.5}
