@@ -446,7 +446,6 @@ def _run(setup, recipe, overrides, iters, warmup, repeats, baseline, write, echo
     if split:
         # Which side of the roofline the missing time is on: our step's own matmuls against the roofline's
         # (layouts, weight reorders, cold caches: above 1 the GEMMs themselves are slow), or the work outside.
-        split["roofline_gemm_ms_per_iteration"] = gemms["gemm_ms_per_iteration"]
         split["matmul_over_roofline"] = split["matmul_ms_per_step"] / gemms["gemm_ms_per_iteration"]
         echo(f"profile (under the profiler, so a little slower): our step's matmuls {split['matmul_ms_per_step']:.1f} ms "
              f"per iteration, {split['matmul_over_roofline']:.2f}x the roofline's GEMM time; everything else "

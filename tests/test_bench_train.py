@@ -52,12 +52,15 @@ def test_same_work_and_promised_keys(smoke_bench):
     assert result["ours_grad_buffer_mb"] > 0 and "main_grad" in result["regime"]["ours"]
     assert result["roofline"]["gemm_ms_per_iteration"] > 0 and len(result["roofline"]["gemms"]) == 7
     assert result["ours_profile"] and all(row["ms_per_step"] >= 0 for row in result["ours_profile"])
+    from bench import profiling
+
     split = result["ours_step_split"]  # the whole profile, matmuls and the rest, beside the roofline
     assert split["matmul_ms_per_step"] > 0 and split["other_ms_per_step"] > 0
     assert split["matmul_over_roofline"] == pytest.approx(
         split["matmul_ms_per_step"] / result["roofline"]["gemm_ms_per_iteration"])
+    assert set(split) == {"matmul_ms_per_step", "other_ms_per_step", "matmul_over_roofline"}
     assert split["matmul_ms_per_step"] >= sum(row["ms_per_step"] for row in result["ours_profile"]
-                                              if row["op"] in ("aten::mm", "aten::addmm", "aten::bmm"))
+                                              if profiling.is_matmul(row["op"], "cpu"))
     assert set(result["regime"]) == {"ours", "baseline"}
     assert result["ours_backends"].endswith("training.compile: False")  # whether the stage ran through torch.compile
     assert Path(result["results_file"]).parent == results
