@@ -1,15 +1,17 @@
 """Where a fusion backend's loss drift comes from: an update that went wrong, or a forward that computes differently.
 
 Two training runs of our model from the same weights on the same batches, dropout off: the reference (every
-fusion on `torch`) and the candidate (`--fusions`, default `triton`). After `--steps` steps it compares them
+fusion on `torch`) and the candidate (`--fusions`, default `triton`: our Triton softmax and cross entropy, the
+other fusions on their best other backend, as the start-up line says). After `--steps` steps it compares them
 tensor by tensor (model weights, the optimizer's fp32 masters and Adam moments), then runs the next step's
 micro batches forward only, crossing weights and fusions: each run's weights under each backend. The same
 weights giving different losses under the two backends is the forward; the candidate's weights giving a
 different loss under the reference backend is the update.
 
-Written for stop 20's open question: on an H200 with every fusion on Triton, bench.train's third-step loss
-was 1.0e-3 below transformers' while all-torch matched to 2e-6. Step 1 runs at lr 0, so step 3 is the first
-forward after a real update.
+Written for stop 20's open question: on an H200 with every fusion on Triton (five kernels then; the LayerNorm,
+bias-GeLU and bias-dropout-add ones have since been deleted as slower than PyTorch), bench.train's third-step
+loss was 1.0e-3 below transformers' while all-torch matched to 2e-6. Step 1 runs at lr 0, so step 3 is the
+first forward after a real update.
 
     python -m bench.drift --recipe codeparrot-small-1gpu --set ... [--fusions triton] [--steps 2]
 """

@@ -108,16 +108,18 @@ def test_causal_softmax_reference_is_megatron_masked_softmax():
     assert (probs[..., ~keep] == 0).all()
 
 
-def test_bias_dropout_add_reference_seeded_masks():
+def test_bias_dropout_add_reference_drops_scales_and_adds():
     # x + bias >= 1, so no kept value rounds away against residual and `first != residual` is the mask.
     x, bias, residual = torch.rand(64, 768) + 0.5, torch.rand(768) + 0.5, torch.randn(64, 768)
-    first = bias_dropout_add(x, bias, residual, 0.2, True, generator_seed=11, backend="torch")
-    assert torch.equal(first, bias_dropout_add(x, bias, residual, 0.2, True, generator_seed=11, backend="torch"))
-    assert not torch.equal(first, bias_dropout_add(x, bias, residual, 0.2, True, generator_seed=12, backend="torch"))
+    torch.manual_seed(11)
+    first = bias_dropout_add(x, bias, residual, 0.2, True, backend="torch")
+    torch.manual_seed(11)
+    assert torch.equal(first, bias_dropout_add(x, bias, residual, 0.2, True, backend="torch"))
     kept = first != residual
     torch.testing.assert_close(first[kept], (residual + (x + bias) / 0.8)[kept])
     assert abs(kept.float().mean().item() - 0.8) < 0.01
     torch.testing.assert_close(bias_dropout_add(x, None, residual, 0.2, False, backend="torch"), residual + x)
+    assert torch.equal(bias_dropout_add(x, bias, residual, 1.0, True, backend="torch"), residual)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -226,7 +228,7 @@ def test_triton_on_cpu_without_the_interpreter_is_a_user_error(monkeypatch):
     with pytest.raises(UserError, match="TRITON_INTERPRET=1"):
         resolve_backends("triton", device="cpu")
     with pytest.raises(UserError, match="TRITON_INTERPRET=1"):
-        layer_norm(torch.randn(2, 8), torch.ones(8), torch.zeros(8), backend="triton")
+        scaled_causal_softmax(torch.randn(1, 1, 4, 4), 1.0, backend="triton")
 
 
 def test_triton_on_cuda_under_the_interpreter_is_a_user_error(monkeypatch):
@@ -243,23 +245,46 @@ def test_triton_on_cuda_under_the_interpreter_is_a_user_error(monkeypatch):
     assert "TRITON_INTERPRET=1" in resolve_backends("auto", device="cuda").note
 
 
-def test_auto_on_cuda_runs_triton_only_where_it_beat_pytorch(monkeypatch):
-    """On an H200 our LayerNorm, bias-GeLU and bias-dropout-add kernels ran 0.2-0.4x PyTorch's and softmax and
-    cross entropy 5-7x faster: "auto" takes Triton for those two only; "triton" and overrides still run any."""
+@pytest.fixture
+def usable_triton_on_cuda(monkeypatch):
+    """Triton usable on a (pretended) CUDA device, as on a GPU host, triton installed here or not."""
     from megatron_core.fusions import backends
 
     monkeypatch.setattr(backends, "_TRITON_USABLE_ON", set())
-    monkeypatch.setattr(backends, "_triton_import_problem", lambda: None)  # as on a GPU host, triton or not here
+    monkeypatch.setattr(backends, "_triton_import_problem", lambda: None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+def test_auto_on_cuda_runs_our_triton_softmax_and_cross_entropy(usable_triton_on_cuda):
     auto = resolve_backends("auto", device="cuda")
     assert (auto.softmax, auto.cross_entropy) == ("triton", "triton")
     assert (auto.layer_norm, auto.bias_gelu, auto.bias_dropout_add) == ("torch", "torch", "torch")
     assert auto.note == ""
-    assert resolve_backends("auto", {"layer_norm": "triton"}, device="cuda").layer_norm == "triton"
-    every = resolve_backends("triton", device="cuda")
-    assert {getattr(every, name) for name in backends.FUSION_NAMES} == {"triton"}
     assert resolve_backends("auto", device="cpu").cross_entropy == "torch"
+
+
+@pytest.mark.parametrize("apex_runs", [True, False])
+def test_fusions_triton_gives_the_fusions_without_a_kernel_the_best_other_backend(usable_triton_on_cuda,
+                                                                                   monkeypatch, apex_runs):
+    """`fusions: triton` has kernels for softmax and cross entropy only: LayerNorm takes Apex's where Apex runs,
+    the rest what "auto" picks, and the start-up description says so."""
+    from megatron_core.fusions import backends
+
+    monkeypatch.setattr(backends, "apex_problem", lambda _: None if apex_runs else "Apex is not usable")
+    chosen = resolve_backends("triton", device="cuda")
+    assert chosen == FusionBackends(layer_norm="apex" if apex_runs else "torch", softmax="triton",
+                                    cross_entropy="triton", device="cuda", note=chosen.note)
+    assert chosen.describe().endswith(
+        "(triton has no kernel for layer_norm, bias_gelu, bias_dropout_add: they run the best other backend)")
+
+
+@pytest.mark.parametrize("fusion,choices", [("layer_norm", "auto, apex, torch"), ("bias_gelu", "auto, compile, torch"),
+                                            ("bias_dropout_add", "auto, torch")])
+def test_a_triton_override_for_a_deleted_kernel_is_refused(usable_triton_on_cuda, fusion, choices):
+    with pytest.raises(UserError, match=f"no Triton kernel for {fusion} .*; use one of {choices}$"):
+        resolve_backends("auto", {fusion: "triton"}, device="cuda")
+    assert resolve_backends("torch", {"softmax": "triton"}, device="cuda").softmax == "triton"
 
 
 def test_bad_inputs_are_user_errors():

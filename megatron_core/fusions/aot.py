@@ -3,11 +3,10 @@
     python -m megatron_core.fusions.aot --arch sm_80,sm_90 --json > triton-aot.json
 
 For each architecture, each of fp32/fp16/bf16 and each shape set (CodeParrot-small's, and an awkward one
-whose sizes are not powers of two), every forward and backward kernel of LayerNorm, bias-GeLU,
-bias-dropout-add (with and without dropout), the scaled causal softmax and the cross entropy (plus the
-dropout keep-mask kernel the tests use) is compiled with `triton.compile(ASTSource(...),
-target=GPUTarget("cuda", capability, 32))`, down to a cubin by Triton's bundled ptxas, whose `-v` report
-gives the registers per thread and the spill bytes.
+whose sizes are not powers of two), every forward and backward kernel of the scaled causal softmax and the
+cross entropy is compiled with `triton.compile(ASTSource(...), target=GPUTarget("cuda", capability, 32))`,
+down to a cubin by Triton's bundled ptxas, whose `-v` report gives the registers per thread and the spill
+bytes.
 
 Nothing here restates a kernel's arguments or block sizes: each launcher's `_<op>(..., launch)` (see
 triton_kernels/_common.py) is called with meta tensors of the shapes below and a recorder for `launch`, so
@@ -42,13 +41,12 @@ from megatron_core.errors import UserError
 
 @dataclass(frozen=True)
 class Shapes:
-    """A GPT micro-batch: tokens = batch * seq rows of `hidden`, the MLP's 4 * hidden, `heads` attention
-    score matrices of seq x seq per sample, and logits over the (padded) vocab."""
+    """A GPT micro-batch: `heads` attention score matrices of seq x seq per sample, and tokens = batch * seq
+    rows of logits over the (padded) vocab."""
 
     name: str
     batch: int
     seq: int
-    hidden: int
     heads: int
     vocab: int
 
@@ -57,14 +55,12 @@ class Shapes:
         return self.batch * self.seq
 
 
-CODEPARROT_SMALL = Shapes("codeparrot-small", batch=12, seq=1024, hidden=768, heads=12, vocab=32768)
-AWKWARD = Shapes("awkward", batch=3, seq=37, hidden=1000, heads=5, vocab=9000)
+CODEPARROT_SMALL = Shapes("codeparrot-small", batch=12, seq=1024, heads=12, vocab=32768)
+AWKWARD = Shapes("awkward", batch=3, seq=37, heads=5, vocab=9000)
 SHAPES = {shapes.name: shapes for shapes in (CODEPARROT_SMALL, AWKWARD)}
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-FUSIONS = ("layer_norm", "bias_gelu", "bias_dropout_add", "softmax", "cross_entropy")
-# Multiprocessors of the GPU each architecture stands for (A100, H100/H200 SXM). Only the LayerNorm backward
-# reads it (its grid, and so its per-program row count, an i32 argument that Triton specialises on).
-SM_COUNTS = {80: 108, 90: 132}
+FUSIONS = ("softmax", "cross_entropy")
+ARCHITECTURES = (80, 90)  # A100, H100/H200
 
 
 def parse_arch(text: str) -> int:
@@ -72,8 +68,8 @@ def parse_arch(text: str) -> int:
     if not match:
         raise UserError(f"--arch {text!r}: name architectures like sm_80 or sm_90")
     capability = int(match.group(1))
-    if capability not in SM_COUNTS:
-        raise UserError(f"--arch {text}: known architectures are {', '.join(f'sm_{c}' for c in SM_COUNTS)}")
+    if capability not in ARCHITECTURES:
+        raise UserError(f"--arch {text}: known architectures are {', '.join(f'sm_{c}' for c in ARCHITECTURES)}")
     return capability
 
 
@@ -81,21 +77,15 @@ def _kernel_modules():
     """The kernel modules (they import triton)."""
     # Lazy, as triton itself below: importing this module (for SHAPES or ptxas_figures) must not import triton,
     # which would fix the interpreter mode of the importing process (see fusions/backends.py).
-    from megatron_core.fusions.triton_kernels import (
-        bias_dropout_add,
-        bias_gelu,
-        cross_entropy,
-        layer_norm,
-        softmax,
-    )
+    from megatron_core.fusions.triton_kernels import cross_entropy, softmax
 
-    return layer_norm, bias_gelu, bias_dropout_add, softmax, cross_entropy
+    return softmax, cross_entropy
 
 
-def recorded_launches(fusion: str, shapes: Shapes, dtype: torch.dtype, sm_count: int):
+def recorded_launches(fusion: str, shapes: Shapes, dtype: torch.dtype):
     """[(kernel label, Launch)] of `fusion`'s forward and backward at `shapes`, as the launchers build them
     (on meta tensors: nothing is allocated, nothing runs)."""
-    layer_norm, bias_gelu, bias_dropout_add, softmax, cross_entropy = _kernel_modules()
+    softmax, cross_entropy = _kernel_modules()
     recorded = []
 
     def recorder(label):
@@ -104,30 +94,12 @@ def recorded_launches(fusion: str, shapes: Shapes, dtype: torch.dtype, sm_count:
     def meta(*shape, dtype=dtype):
         return torch.empty(shape, dtype=dtype, device="meta")
 
-    rows, hidden = shapes.tokens, shapes.hidden
-    if fusion == "layer_norm":
-        x, weight, bias = meta(rows, hidden), meta(hidden), meta(hidden)
-        y, mean, rstd = layer_norm._layer_norm_fwd(x, weight, bias, 1e-5, recorder("layer_norm_fwd"))
-        layer_norm._layer_norm_bwd(torch.empty_like(y), x, weight, mean, rstd, recorder("layer_norm_bwd"), sm_count)
-    elif fusion == "bias_gelu":
-        x, bias = meta(rows, 4 * hidden), meta(4 * hidden)
-        y = bias_gelu._bias_gelu_fwd(x, bias, recorder("bias_gelu_fwd"))
-        bias_gelu._bias_gelu_bwd(torch.empty_like(y), x, bias, recorder("bias_gelu_bwd"))
-    elif fusion == "bias_dropout_add":
-        x, bias, residual = meta(rows, hidden), meta(hidden), meta(rows, hidden)
-        seed = meta(1, dtype=torch.int64)
-        y = bias_dropout_add._bias_dropout_add_fwd(x, bias, residual, seed, 0.1, True,
-                                                   recorder("bias_dropout_add_fwd"))
-        bias_dropout_add._bias_dropout_add_fwd(x, bias, residual, seed, 0.1, False,
-                                               recorder("bias_add_fwd (no dropout)"))
-        bias_dropout_add._dropout_bwd(torch.empty_like(y), seed, 0.1, recorder("dropout_bwd"))
-        bias_dropout_add._keep_mask(x.shape, 0.1, seed, recorder("dropout_keep_mask"))
-    elif fusion == "softmax":
+    if fusion == "softmax":
         scores = meta(shapes.batch, shapes.heads, shapes.seq, shapes.seq)
         probs = softmax._causal_softmax_fwd(scores, 0.125, recorder("softmax_fwd"))
         softmax._causal_softmax_bwd(torch.empty_like(probs), probs, 0.125, recorder("softmax_bwd"))
     elif fusion == "cross_entropy":
-        logits, labels = meta(rows, shapes.vocab), meta(rows, dtype=torch.int64)
+        logits, labels = meta(shapes.tokens, shapes.vocab), meta(shapes.tokens, dtype=torch.int64)
         row_max, _, _ = cross_entropy._cross_entropy_fwd(logits, labels, 0, recorder("cross_entropy_fwd"))
         # backward takes the fp32 [rows] log-sum-exp and incoming gradient, shaped like the row statistics
         cross_entropy._cross_entropy_bwd(logits, labels, torch.empty_like(row_max), torch.empty_like(row_max), 0,
@@ -213,8 +185,7 @@ def compile_all(capabilities, dtype_names, shape_names, fusions, progress=None) 
         for shape_name in shape_names:
             for dtype_name in dtype_names:
                 for fusion in fusions:
-                    for label, launch in recorded_launches(fusion, SHAPES[shape_name], DTYPES[dtype_name],
-                                                           SM_COUNTS[capability]):
+                    for label, launch in recorded_launches(fusion, SHAPES[shape_name], DTYPES[dtype_name]):
                         jobs.append((capability, shape_name, dtype_name, label, launch))
     results = []
     for index, (capability, shape_name, dtype_name, label, launch) in enumerate(jobs, 1):

@@ -1,13 +1,17 @@
 """Which implementation runs each fusion: chosen once, checked, and described for the start-up log.
 
-Backends: "triton" (our @triton.jit kernels), "apex" (NVIDIA Apex, LayerNorm only), "compile" (the torch
-backend's own formulas through torch.compile, as Megatron's ``jit_fuser`` does: inductor fuses each into
-generated C++ loops on a CPU, Triton kernels on CUDA; bias-GeLU only), "torch" (the plain
-PyTorch reference). "auto" means, on CUDA, Triton for the fusions whose kernels beat PyTorch there
-(_AUTO_TRITON_ON_CUDA) and torch for the rest; on a CPU torch, except bias-GeLU in fp32, bf16 and fp16
-(_AUTO_COMPILE_ON_CPU, _AUTO_COMPILE_DTYPES), where it takes "compile" when a C++ compiler is there (the first
-compile takes about 20 s; inductor's disk cache serves later processes). Apex is used for LayerNorm only when it is asked for (``fusions: apex`` or an override), never
-picked behind the user's back.
+Backends: "triton" (our @triton.jit kernels: softmax and cross entropy only), "apex" (NVIDIA Apex, LayerNorm
+only), "compile" (the torch backend's own formulas through torch.compile, as Megatron's ``jit_fuser`` does:
+inductor fuses each into generated C++ loops on a CPU, Triton kernels on CUDA; bias-GeLU only), "torch" (the
+plain PyTorch reference, every fusion). "auto" means, on CUDA, Triton for softmax and cross entropy and torch for
+the rest; on a CPU torch, except bias-GeLU in fp32, bf16 and fp16 (_AUTO_COMPILE_ON_CPU, _AUTO_COMPILE_DTYPES),
+where it takes "compile" when a C++ compiler is there (the first compile takes about 20 s; inductor's disk cache
+serves later processes).
+
+The recipe-wide choice ("fusions: triton|apex|compile") runs the fusions that backend has and gives the others
+"auto"'s choice, except that "triton" (the fused GPU kernels) gives LayerNorm to Apex where Apex runs; the
+start-up description says which. Otherwise Apex is used only when asked for. A per-fusion override naming a
+backend without a kernel for that fusion is refused.
 
 Triton on a CPU works only through Triton's interpreter, which must be switched on with TRITON_INTERPRET=1
 *before the process first imports triton* (triton decorates its own library functions, e.g. ``tl.rand``, at
@@ -27,6 +31,9 @@ from megatron_core.fusions.apex import apex_status
 
 FUSION_NAMES = ("layer_norm", "bias_gelu", "bias_dropout_add", "softmax", "cross_entropy")
 BACKEND_NAMES = ("triton", "apex", "compile", "torch")
+# Only Triton kernels that beat PyTorch on the GPU ship (bench/results/kernels-20261204-155904.json); "auto"
+# runs them on CUDA.
+_TRITON_FUSIONS = frozenset({"softmax", "cross_entropy"})
 _APEX_FUSIONS = frozenset({"layer_norm"})
 # Where torch.compile beats the torch backend's few passes (scratch timings on a 2-core AVX2 CPU, fp32,
 # forward + backward: bias-GeLU at [2048, 512] 8-9 -> 6 ms). Not cross entropy: its forward's exp_/sum is
@@ -42,14 +49,22 @@ _COMPILE_FUSIONS = frozenset({"bias_gelu"})
 # separate fp32 from the noise.) fp64 stays eager: it is for checking, not for speed.
 _AUTO_COMPILE_ON_CPU = frozenset({"bias_gelu"})
 _AUTO_COMPILE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# What "auto" runs on Triton on CUDA: only where our kernel was measured faster than our PyTorch reference
-# (backend "torch"). On one H200 (bench/results/kernels-20261204-155904.json, bf16, 12288 tokens, hidden
-# 768, vocab 32768), forward and backward: softmax 6.7x, cross entropy 5.0x faster; layer norm 0.21x,
-# bias-GeLU 0.28x, bias-dropout-add 0.41x. With all five on Triton the CodeParrot-small step ran 0.79x transformers, with
-# all on torch 1.27x (train-20261204-155515.json / -155742.json). The slower three stay asked-for only
-# until their kernels are faster (`fusions: triton` or a per-fusion override still runs them). LayerNorm's
-# backward has since got smaller programs (triton_kernels/layer_norm.py), not yet timed on a GPU.
-_AUTO_TRITON_ON_CUDA = frozenset({"softmax", "cross_entropy"})
+# The fusions each backend has a kernel for.
+_SERVES = {"triton": _TRITON_FUSIONS, "apex": _APEX_FUSIONS, "compile": _COMPILE_FUSIONS,
+           "torch": frozenset(FUSION_NAMES)}
+
+
+def backend_choices(fusion: str) -> tuple[str, ...]:
+    """What a per-fusion override may name for `fusion`."""
+    return ("auto", *(backend for backend in BACKEND_NAMES if fusion in _SERVES[backend]))
+
+
+def _no_kernel(fusion: str, backend: str) -> str:
+    why = {"triton": f"there is no Triton kernel for {fusion} (ours ran slower than PyTorch on the GPU and was "
+                     "deleted)",
+           "apex": f"Apex has no kernel for {fusion}",
+           "compile": f"there is no compiled {fusion}"}[backend]
+    return f"{why}; use one of {', '.join(backend_choices(fusion))}"
 
 
 def _device_type(device) -> str:
@@ -167,13 +182,13 @@ def apex_problem(device) -> str | None:
     if missing:
         return (f"Apex is not usable: {', '.join(missing)} failed to import "
                 f"({status['errors'].get(missing[0], '')}); install Apex with its CUDA extensions or use "
-                "'triton'/'torch'")
+                "'torch'")
     return None
 
 
 def _auto_backend(fusion: str, device, dtype: torch.dtype | None) -> str:
     kind = _device_type(device)
-    if fusion in _AUTO_TRITON_ON_CUDA and kind == "cuda" and triton_problem(device) is None:
+    if fusion in _TRITON_FUSIONS and kind == "cuda" and triton_problem(device) is None:
         return "triton"
     if (fusion in _AUTO_COMPILE_ON_CPU and kind == "cpu" and dtype in _AUTO_COMPILE_DTYPES
             and compile_problem(device) is None):
@@ -189,20 +204,11 @@ def choose_backend(fusion: str, requested: str, device, dtype: torch.dtype | Non
     if requested == "auto":
         return _auto_backend(fusion, device, dtype)
     if requested not in BACKEND_NAMES:
-        raise UserError(f"unknown backend {requested!r} for {fusion}; use one of auto, {', '.join(BACKEND_NAMES)}")
-    if requested == "apex":
-        if fusion not in _APEX_FUSIONS:
-            raise UserError(f"Apex has no kernel for {fusion}; use 'triton', 'torch' or 'auto' for it")
-        problem = apex_problem(device)
-    elif requested == "triton":
-        problem = triton_problem(device)
-    elif requested == "compile":
-        if fusion not in _COMPILE_FUSIONS:
-            raise UserError(f"there is no compiled {fusion}; 'compile' serves {', '.join(sorted(_COMPILE_FUSIONS))} "
-                            f"(use 'triton', 'torch' or 'auto' for {fusion})")
-        problem = compile_problem(device)
-    else:
-        problem = None
+        raise UserError(f"unknown backend {requested!r} for {fusion}; use one of {', '.join(backend_choices(fusion))}")
+    if fusion not in _SERVES[requested]:
+        raise UserError(_no_kernel(fusion, requested))
+    checks = {"apex": apex_problem, "triton": triton_problem, "compile": compile_problem}
+    problem = checks[requested](device) if requested in checks else None
     if problem:
         raise UserError(f"cannot use backend {requested!r} for {fusion}: {problem}")
     return requested
@@ -218,11 +224,19 @@ class FusionBackends:
     softmax: str = "torch"
     cross_entropy: str = "torch"
     device: str = "cpu"
-    note: str = ""  # why "auto" settled for less than the best backend, if it did
+    note: str = ""  # what else the log should say: fusions "triton" has no kernel for, an unusable Triton
 
     def describe(self) -> str:
         chosen = ", ".join(f"{name}={getattr(self, name)}" for name in FUSION_NAMES)
         return f"fusions on {self.device}: {chosen}" + (f" ({self.note})" if self.note else "")
+
+
+def _stand_in(fusion: str, requested: str, device, dtype: torch.dtype | None) -> str:
+    """The backend for a fusion that the recipe-wide `requested` has no kernel for: "auto"'s choice, except
+    that "triton" (the fused GPU kernels) takes Apex's fused LayerNorm where Apex runs."""
+    if requested == "triton" and fusion in _APEX_FUSIONS and apex_problem(device) is None:
+        return "apex"
+    return _auto_backend(fusion, device, dtype)
 
 
 def resolve_backends(fusions: str = "auto", overrides: dict | None = None, device="cpu",
@@ -230,8 +244,8 @@ def resolve_backends(fusions: str = "auto", overrides: dict | None = None, devic
     """Resolve the recipe's `fusions` key (auto|triton|apex|compile|torch) and per-fusion overrides for `device`
     and the model's activation `dtype` (None: unknown, "auto" then ignores it).
 
-    "apex" means Apex for LayerNorm and the "auto" choice for the fusions Apex has no kernel for; "compile"
-    likewise serves the fusions it has and leaves the rest to "auto".
+    A recipe-wide backend runs the fusions it has a kernel for; the others get `_stand_in`'s choice, which the
+    description's note names for "triton". An override must name a backend with a kernel for its fusion.
     Every explicit choice is checked now, so a missing Triton/Apex fails at start-up, not mid-run.
     """
     if fusions not in ("auto", *BACKEND_NAMES):
@@ -240,18 +254,25 @@ def resolve_backends(fusions: str = "auto", overrides: dict | None = None, devic
     unknown = sorted(set(overrides) - set(FUSION_NAMES))
     if unknown:
         raise UserError(f"fusion overrides name unknown fusions {unknown}; known: {', '.join(FUSION_NAMES)}")
-    chosen = {}
+    chosen, stood_in = {}, []
     for name in FUSION_NAMES:
-        requested = overrides.get(name, fusions)
-        if name not in overrides and ((requested == "apex" and name not in _APEX_FUSIONS)
-                                      or (requested == "compile" and name not in _COMPILE_FUSIONS)):
-            requested = "auto"
-        chosen[name] = choose_backend(name, requested, device, dtype)
+        if name in overrides:
+            chosen[name] = choose_backend(name, overrides[name], device, dtype)
+        elif fusions == "auto" or name in _SERVES[fusions]:
+            chosen[name] = choose_backend(name, fusions, device, dtype)
+        else:
+            chosen[name] = _stand_in(name, fusions, device, dtype)
+            stood_in.append(name)
     kind = _device_type(device)
+    notes = []
+    if fusions == "triton" and stood_in:
+        notes.append(f"triton has no kernel for {', '.join(stood_in)}: they run the best other backend")
     # Without Triton on CUDA, "auto" fell back to torch (an explicit "triton" would have raised above).
     problem = triton_problem(device) if kind == "cuda" else None
-    return FusionBackends(**chosen, device=kind, note=f"Triton unavailable: {problem}" if problem else "")
+    if problem:
+        notes.append(f"Triton unavailable: {problem}")
+    return FusionBackends(**chosen, device=kind, note="; ".join(notes))
 
 
-__all__ = ["FUSION_NAMES", "FusionBackends", "resolve_backends", "choose_backend", "triton_problem",
-           "apex_problem", "compile_problem", "compiled"]
+__all__ = ["FUSION_NAMES", "FusionBackends", "resolve_backends", "choose_backend", "backend_choices",
+           "triton_problem", "apex_problem", "compile_problem", "compiled"]

@@ -68,17 +68,11 @@ class _BiasGeluSigmoid(torch.autograd.Function):
 
 
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor, backend: str = "auto") -> torch.Tensor:
-    """tanh-approximate GeLU(x + bias); bias [hidden] broadcast over the rows of x [..., hidden].
-    Non-contiguous x is accepted (the Triton path makes a contiguous copy)."""
+    """tanh-approximate GeLU(x + bias); bias [hidden] broadcast over the rows of x [..., hidden]."""
     if bias is None or bias.shape != (x.shape[-1],):
         raise UserError(f"bias_gelu bias must be a [{x.shape[-1]}] tensor (the last dimension of x "
                         f"{tuple(x.shape)}), got {None if bias is None else tuple(bias.shape)}")
     chosen = choose_backend("bias_gelu", backend, x.device, x.dtype)
-    if chosen == "triton":
-        # Lazy: the kernel module imports triton (optional; its import fixes TRITON_INTERPRET for the process).
-        from megatron_core.fusions.triton_kernels.bias_gelu import bias_gelu as triton_bias_gelu
-
-        return triton_bias_gelu(x, bias)
     if chosen == "compile":
         # Inductor computes 16-bit inputs in fp32 inside its loop and rounds once, so every dtype goes here.
         return _BiasGeluSigmoid.apply(x, bias, True)

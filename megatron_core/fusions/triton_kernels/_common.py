@@ -15,7 +15,6 @@ from typing import Any, Callable
 
 import torch
 import triton
-import triton.language as tl
 
 from megatron_core.errors import UserError
 
@@ -42,23 +41,15 @@ def row_block(n_cols: int, what: str) -> int:
     return triton.next_power_of_2(n_cols)
 
 
-def rows_per_block(block_n: int, elements: int = 4096) -> int:
-    """Rows one program handles together: short rows are batched so a program has ~`elements` of work
+def rows_per_block(block_n: int) -> int:
+    """Rows one program handles together: short rows are batched so a program has ~4096 elements of work
     (this also keeps the number of programs, and so the interpreter's run time, small)."""
-    return max(1, min(64, elements // block_n))
+    return max(1, min(64, 4096 // block_n))
 
 
 def warps_for(block: int) -> int:
     """Enough warps that each thread holds a handful of elements of a row."""
     return min(max(block // 256, 1), 16)
-
-
-@triton.jit
-def bias_columns(start, hidden, BLOCK: tl.constexpr):
-    """Column (bias index) of flat elements start .. start + BLOCK - 1 of a [rows, hidden] tensor: one int64
-    remainder per program, then int32 ones per element. (An int64 `offsets % hidden` per element compiles
-    to calls of a 64-bit division routine, which made ptxas spill registers on sm_80.)"""
-    return ((start % hidden).to(tl.int32) + tl.arange(0, BLOCK)) % hidden
 
 
 class KernelOp:
@@ -106,9 +97,3 @@ class Launch:
 def run(launch: Launch) -> None:
     """Launch it now (on the tensors' device, or under the interpreter)."""
     launch.kernel[launch.grid](*launch.args, **launch.constexprs, num_warps=launch.num_warps)
-
-
-def sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter runs programs one after another; a few keeps partial-sum paths exercised
