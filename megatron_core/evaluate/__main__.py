@@ -22,6 +22,8 @@ def main(argv=None) -> int:
     parser.add_argument("--humaneval", action="store_true", default=None)
     parser.add_argument("--no-perplexity", dest="perplexity", action="store_false", default=None)
     parser.add_argument("--allow-code-execution", action="store_true")
+    parser.add_argument("--unsafe-weak-isolation", action="store_true",
+                        help="where namespaces are unavailable, run HumanEval samples with rlimits only")
     parser.add_argument("--num-samples", type=int)
     parser.add_argument("--temperature", type=float)
     parser.add_argument("--top-p", type=float)
@@ -47,7 +49,8 @@ def main(argv=None) -> int:
                            batch_size=ns.batch_size, max_batches=ns.max_batches, num_samples=ns.num_samples,
                            temperature=ns.temperature, top_p=ns.top_p, max_new_tokens=ns.max_new_tokens,
                            problems=ns.problems, device=ns.device, dtype=ns.dtype,
-                           generation_batch=ns.generation_batch, workers=ns.workers)
+                           generation_batch=ns.generation_batch, workers=ns.workers,
+                           unsafe_weak_isolation=ns.unsafe_weak_isolation)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

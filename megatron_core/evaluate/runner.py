@@ -23,7 +23,7 @@ from megatron_core.convert.megatron_to_hf import eod_id_of, gpt2_model
 from megatron_core.convert.shards import ModelShape, read_checkpoint
 from megatron_core.errors import UserError
 from megatron_core.evaluate.generate import SamplingConfig, generate_cached
-from megatron_core.evaluate.humaneval import HumanEvalSettings, evaluate_humaneval, load_problems
+from megatron_core.evaluate.humaneval import HumanEvalSettings, evaluate_humaneval, load_problems, sandbox_is_weak
 from megatron_core.evaluate.perplexity import evaluate_perplexity
 from megatron_core.evaluate.placement import Placement, resolve_placement
 
@@ -236,7 +236,8 @@ def evaluate(recipe, model: Union[str, Path, torch.nn.Module], *, workdir=".", o
              datasets: Optional[dict] = None, perplexity: Optional[bool] = None, humaneval: Optional[bool] = None,
              allow_code_execution: bool = False, batch_size: int = 8, max_batches: Optional[int] = None,
              attn_implementation: str = "sdpa", device: str = "auto", dtype: str = "auto",
-             generation_batch: Optional[int] = None, workers: Optional[int] = None, **humaneval_overrides) -> dict:
+             generation_batch: Optional[int] = None, workers: Optional[int] = None,
+             unsafe_weak_isolation: bool = False, **humaneval_overrides) -> dict:
     """Run what the recipe's `evaluate` section asks for (flags override it); returns the results. Every
     input is checked before the long steps start; evaluation.json appears only at the end."""
     e = recipe.evaluate
@@ -246,6 +247,7 @@ def evaluate(recipe, model: Union[str, Path, torch.nn.Module], *, workdir=".", o
     if do_he:
         if not allow_code_execution:
             raise UserError("HumanEval runs model-written code; pass --allow-code-execution to allow it")
+        sandbox_is_weak(unsafe_weak_isolation)  # refuses now, before loading anything, where isolation fails
         settings = HumanEvalSettings.from_recipe(e, **humaneval_overrides)
         settings.check()
         if generation_batch is not None and generation_batch < 1:
@@ -271,7 +273,8 @@ def evaluate(recipe, model: Union[str, Path, torch.nn.Module], *, workdir=".", o
     if do_he:
         he = evaluate_humaneval(sampler, settings, model_hash=loaded.model_hash, cache_dir=out_dir / "cache",
                                 allow_code_execution=True, problems=problems,
-                                problems_per_call=max(1, sampler.batch // settings.num_samples), workers=workers)
+                                problems_per_call=max(1, sampler.batch // settings.num_samples), workers=workers,
+                                unsafe_weak_isolation=unsafe_weak_isolation)
         he["generation"].update({**placement.to_json(), "batch": sampler.batch})
         results["humaneval"] = he
         results.update({k: v for k, v in he.items() if k.startswith("pass@")})
