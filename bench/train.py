@@ -144,7 +144,7 @@ def build_ours(setup: Setup, recipe: Optional[config.Recipe] = None):
     from megatron_core.training.trainer import Trainer
 
     recipe = setup.recipe if recipe is None else recipe
-    train_lib.seed_everything(recipe.training.seed)
+    train_lib.seed_everything(recipe.training.seed, setup.device.type)
     fusions, model, inner, optimizer = train_lib.build_model_and_optimizer(recipe, setup.padded_vocab, setup.device)
     run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=setup.scratch.name))
     trainer = Trainer(recipe, model, (setup.train_ds, None, None), setup.padded_vocab, run_dir, optimizer=optimizer,

@@ -6,8 +6,10 @@ INSIDE a TP region (attention probabilities of this rank's heads, sequence-paral
 differ across TP ranks, so it runs under `get_rng_tracker().fork()`, whose generator is seeded
 with `seed + 2718 + tp_rank`.
 
-The tracker swaps states of the default generator of one device type: CUDA when available,
-else the CPU generator (plain torch.Generator byte states), so the same code runs on a laptop.
+The tracker swaps states of the default generator of one device type: the TRAINING device's,
+passed down by the caller (never "is CUDA visible": a `device: cpu` run on a GPU host draws its
+dropout from the CPU generator, so forking the CUDA one would isolate nothing and would open a
+CUDA context in every CPU rank). CPU states are plain torch.Generator byte states.
 """
 
 from __future__ import annotations
@@ -19,14 +21,21 @@ import torch
 import torch.utils.checkpoint
 
 from megatron_core import parallel_state
+from megatron_core.errors import UserError
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 # Megatron's offset between the data-parallel seed and the tensor-parallel seeds.
 TENSOR_PARALLEL_SEED_OFFSET = 2718
 
 
-def _default_device_type() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE_TYPES = ("cpu", "cuda")
+
+
+def _check_device_type(device_type: str) -> str:
+    if device_type not in DEVICE_TYPES:
+        raise UserError(f"the RNG tracker's device type is {device_type!r}; pass the training device's type, "
+                        f"one of {', '.join(DEVICE_TYPES)}")
+    return device_type
 
 
 def _get_state(device_type: str) -> torch.Tensor:
@@ -43,15 +52,24 @@ def _set_state(device_type: str, state: torch.Tensor) -> None:
 class RNGStatesTracker:
     """Named generator states that can be swapped in for the default generator with `fork`."""
 
-    def __init__(self, device_type: Optional[str] = None) -> None:
-        self.device_type = device_type or _default_device_type()
+    def __init__(self, device_type: str = "cpu") -> None:
+        self.device_type = _check_device_type(device_type)
         self.states: dict[str, torch.Tensor] = {}
         self.seeds: set[int] = set()
 
-    def reset(self, device_type: Optional[str] = None) -> None:
-        self.device_type = device_type or _default_device_type()
+    def reset(self, device_type: str = "cpu") -> None:
+        self.device_type = _check_device_type(device_type)
         self.states.clear()
         self.seeds.clear()
+
+    def misfit(self, states: dict[str, torch.Tensor]) -> Optional[str]:
+        """Why `states` cannot drive this tracker's generator (None when they can): a CPU generator's
+        state is 5056 bytes, a CUDA (Philox) one's 16, and torch only fails at the first fork."""
+        size = _get_state(self.device_type).numel()
+        wrong = sorted(name for name, state in states.items() if state.numel() != size)
+        if wrong:
+            return f"{', '.join(wrong)} do not fit the {self.device_type} generator ({size} bytes)"
+        return None
 
     def get_states(self) -> dict[str, torch.Tensor]:
         return {name: state.clone() for name, state in self.states.items()}
@@ -94,10 +112,14 @@ def get_rng_tracker() -> RNGStatesTracker:
     return _TRACKER
 
 
-def model_parallel_manual_seed(seed: int, device_type: Optional[str] = None) -> None:
+def model_parallel_manual_seed(seed: int, device_type: str = "cpu") -> None:
     """Seed the default generators with `seed` (same on all TP ranks) and the tracker's
-    model-parallel state with `seed + 2718 + tp_rank` (different on each TP rank)."""
-    torch.manual_seed(seed)  # CPU and every CUDA device
+    model-parallel state with `seed + 2718 + tp_rank` (different on each TP rank), for the
+    generator of `device_type`: the training device's."""
+    if _check_device_type(device_type) == "cpu":
+        torch.default_generator.manual_seed(seed)  # torch.manual_seed would reach into torch.cuda
+    else:
+        torch.manual_seed(seed)  # CPU and every CUDA device
     tp_seed = seed + TENSOR_PARALLEL_SEED_OFFSET + parallel_state.get_tensor_model_parallel_rank()
     _TRACKER.reset(device_type)
     _TRACKER.add(MODEL_PARALLEL_RNG, tp_seed)
