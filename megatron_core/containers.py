@@ -7,7 +7,7 @@ then send one request to a client: `docker.from_env()` in the product, any objec
 
 The run flags are NVIDIA's recommendations for its PyTorch containers: all (or N) GPUs, the host's IPC
 namespace (PyTorch workers and NCCL share memory through /dev/shm), unlimited locked memory (RDMA) and a
-64 MiB stack.
+64 MiB stack; and the caller's uid:gid, so the run's files in the mounted work directory are the caller's.
 """
 
 from __future__ import annotations
@@ -48,17 +48,26 @@ class EngineUnreachable(ContainerError):
 # ----------------------------------------------------------------------------------------------
 
 
-def dockerfile_ngc_tag(dockerfile: Path = REPO_ROOT / DOCKERFILE) -> str:
-    """The NGC PyTorch tag pinned by the Dockerfile's `ARG NGC_TAG=...` (the one place it is written)."""
+def _dockerfile_arg(name: str, dockerfile: Path) -> str:
     try:
         text = dockerfile.read_text()
     except OSError as exc:
         raise ContainerError(f"cannot read {dockerfile} ({exc.strerror}); run from a checkout of the "
-                             "repository or pass --ngc-tag") from None
-    match = re.search(r"^ARG\s+NGC_TAG=(\S+)\s*$", text, re.MULTILINE)
+                             "repository") from None
+    match = re.search(rf"^ARG\s+{name}=(\S+)\s*$", text, re.MULTILINE)
     if not match:
-        raise ContainerError(f"{dockerfile} has no `ARG NGC_TAG=<tag>` line; restore it or pass --ngc-tag")
+        raise ContainerError(f"{dockerfile} has no `ARG {name}=...` line; restore it from git")
     return match.group(1)
+
+
+def dockerfile_ngc_tag(dockerfile: Path = REPO_ROOT / DOCKERFILE) -> str:
+    """The NGC PyTorch tag pinned by the Dockerfile's `ARG NGC_TAG=...` (the one place it is written)."""
+    return _dockerfile_arg("NGC_TAG", dockerfile)
+
+
+def dockerfile_ngc_digest(dockerfile: Path = REPO_ROOT / DOCKERFILE) -> str:
+    """The digest of that tag, pinned by the Dockerfile's `ARG NGC_DIGEST=sha256:...`."""
+    return _dockerfile_arg("NGC_DIGEST", dockerfile)
 
 
 def default_image(ngc_tag: str | None = None) -> str:
@@ -69,6 +78,7 @@ def default_image(ngc_tag: str | None = None) -> str:
 class BuildRequest:
     tag: str
     ngc_tag: str
+    ngc_digest: str
     context: Path
     dockerfile: str = DOCKERFILE
     no_cache: bool = False
@@ -76,7 +86,7 @@ class BuildRequest:
 
     @property
     def buildargs(self) -> dict:
-        return {"NGC_TAG": self.ngc_tag}
+        return {"NGC_TAG": self.ngc_tag, "NGC_DIGEST": self.ngc_digest}
 
     def sdk_kwargs(self) -> dict:
         """Keyword arguments for `client.api.build` (streamed, decoded progress)."""
@@ -85,26 +95,40 @@ class BuildRequest:
                 "pull": self.pull}
 
     def command_line(self) -> str:
-        args = ["docker", "build", "-f", self.dockerfile, "--build-arg", f"NGC_TAG={self.ngc_tag}",
-                "-t", self.tag]
+        args = ["docker", "build", "-f", self.dockerfile]
+        for key, value in self.buildargs.items():
+            args += ["--build-arg", f"{key}={value}"]
+        args += ["-t", self.tag]
         args += ["--no-cache"] * self.no_cache + ["--pull"] * self.pull
         return shlex.join(args + [str(self.context)])
 
 
 _NGC_TAG = re.compile(r"^\d{2}\.\d{2}(\.\d+)?$")
+_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 
 def build_request(tag: str | None = None, ngc_tag: str | None = None, context: str | os.PathLike | None = None,
-                  no_cache: bool = False, pull: bool = False) -> BuildRequest:
-    """Validate the build inputs; defaults: the Dockerfile's NGC tag, image megatron-recipes:ngc<tag>."""
+                  no_cache: bool = False, pull: bool = False, ngc_digest: str | None = None) -> BuildRequest:
+    """Validate the build inputs; defaults: the Dockerfile's NGC tag and digest, image megatron-recipes:ngc<tag>.
+    Another tag needs its own digest (with both, Docker pulls the digest: the Dockerfile's would be 25.10)."""
     context = Path(context or REPO_ROOT).resolve()
-    if not (context / DOCKERFILE).is_file():
+    dockerfile = context / DOCKERFILE
+    if not dockerfile.is_file():
         raise ContainerError(f"build context {context} has no {DOCKERFILE}; pass the repository root as context")
-    ngc_tag = ngc_tag or dockerfile_ngc_tag(context / DOCKERFILE)
+    pinned_tag = dockerfile_ngc_tag(dockerfile)
+    ngc_tag = ngc_tag or pinned_tag
     if not _NGC_TAG.match(ngc_tag):
         raise ContainerError(f"--ngc-tag {ngc_tag!r} is not an NGC release tag; use YY.MM such as 25.10 "
                              "(the image is nvcr.io/nvidia/pytorch:<tag>-py3)")
-    return BuildRequest(tag=tag or default_image(ngc_tag), ngc_tag=ngc_tag, context=context,
+    if ngc_digest is None:
+        if ngc_tag != pinned_tag:
+            raise ContainerError(f"--ngc-tag {ngc_tag} needs its --ngc-digest (the Dockerfile pins {pinned_tag}'s); "
+                                 f"`docker buildx imagetools inspect nvcr.io/nvidia/pytorch:{ngc_tag}-py3` prints it")
+        ngc_digest = dockerfile_ngc_digest(dockerfile)
+    if not _DIGEST.match(ngc_digest):
+        raise ContainerError(f"--ngc-digest {ngc_digest!r} is not an image digest; use sha256:<64 hex digits> "
+                             f"(docker buildx imagetools inspect nvcr.io/nvidia/pytorch:{ngc_tag}-py3)")
+    return BuildRequest(tag=tag or default_image(ngc_tag), ngc_tag=ngc_tag, ngc_digest=ngc_digest, context=context,
                         no_cache=no_cache, pull=pull)
 
 
@@ -189,6 +213,7 @@ class RunRequest:
     network_host: bool = False  # multi-node: NCCL and torchrun need the host's interfaces
     name: str | None = None
     make_dirs: tuple[str, ...] = ()  # host directories to create before the run (else Docker makes them as root)
+    user: str | None = None  # uid:gid the container runs as (None: the image's default, root)
 
     def device_requests(self) -> list:
         from docker.types import DeviceRequest
@@ -214,6 +239,8 @@ class RunRequest:
             "volumes": {m.source: {"bind": m.target, "mode": "ro" if m.read_only else "rw"} for m in self.mounts},
             "environment": dict(self.environment),
         }
+        if self.user:
+            kwargs["user"] = self.user
         if self.network_host:
             kwargs["network_mode"] = "host"
         if self.name:
@@ -225,6 +252,8 @@ class RunRequest:
         if self.gpu_count is not None:
             args += ["--gpus", "all" if self.gpu_count == -1 else str(self.gpu_count)]
         args += ["--ipc=host", "--ulimit", "memlock=-1", "--ulimit", f"stack={STACK_BYTES}"]
+        if self.user:
+            args += ["--user", self.user]
         if self.network_host:
             args.append("--network=host")
         if self.name:
@@ -246,13 +275,21 @@ def _check_recipe_name(recipe: str) -> None:
     config.resolve_recipe_path(recipe, gpus=1)
 
 
+def host_user() -> str | None:
+    """This process's uid:gid, what the container runs as (None where the OS has no uids: Windows)."""
+    if not hasattr(os, "getuid"):
+        return None
+    return f"{os.getuid()}:{os.getgid()}"
+
+
 def run_request(recipe: str = DEFAULT_RECIPE, task: str = DEFAULT_TASK, gpus: Gpus = "all", mounts=(),
                 image: str | None = None, workdir: str | os.PathLike = "./work",
                 cache: str | os.PathLike | None = None, env=(), network_host: bool = False, task_args=(),
-                name: str | None = None) -> RunRequest:
+                name: str | None = None, user: str | None = None) -> RunRequest:
     """The container for `invoke <task> --recipe <recipe> [task_args...]`, with the host's `workdir` on /work
     and `cache` (default ~/.cache/megatron-recipes) on /cache; --mount entries add to (or replace, by
-    container path) those two. Pure: the host directories are made only when the request is sent."""
+    container path) those two. It runs as `user` (default: the caller's uid:gid), so what it writes there
+    is the caller's. Pure: the host directories are made only when the request is sent."""
     if not re.match(r"^[a-z][a-z0-9_.-]*$", task):
         raise ContainerError(f"--task {task!r} is not an invoke task name; e.g. train, pipeline, evaluate")
     _check_recipe_name(recipe)
@@ -271,6 +308,7 @@ def run_request(recipe: str = DEFAULT_RECIPE, task: str = DEFAULT_TASK, gpus: Gp
         network_host=network_host,
         name=name,
         make_dirs=tuple(m.source for m in defaults if by_target[m.target] is m),
+        user=user or host_user(),
     )
 
 
@@ -328,9 +366,9 @@ def docker_client():
 
 
 def build(tag: str | None = None, ngc_tag: str | None = None, context=None, client=None, dry_run: bool = False,
-          no_cache: bool = False, pull: bool = False, echo: Echo = print) -> str:
+          no_cache: bool = False, pull: bool = False, echo: Echo = print, ngc_digest: str | None = None) -> str:
     """`invoke docker.build`: the dry-run command line, or the built image's id."""
-    request = build_request(tag, ngc_tag, context, no_cache=no_cache, pull=pull)
+    request = build_request(tag, ngc_tag, context, no_cache=no_cache, pull=pull, ngc_digest=ngc_digest)
     if dry_run:
         echo(request.command_line())
         return request.command_line()
@@ -340,7 +378,7 @@ def build(tag: str | None = None, ngc_tag: str | None = None, context=None, clie
 def run(recipe: str = DEFAULT_RECIPE, task: str = DEFAULT_TASK, gpus: Gpus = "all", mounts=(), client=None,
         dry_run: bool = False, echo: Echo = print, **options) -> int | str:
     """`invoke docker.run`: the dry-run command line, or the container's exit code. `options` are
-    run_request's (image, workdir, cache, env, network_host, task_args, name)."""
+    run_request's (image, workdir, cache, env, network_host, task_args, name, user)."""
     request = run_request(recipe, task, gpus, mounts, **options)
     if dry_run:
         echo(request.command_line())
@@ -350,4 +388,5 @@ def run(recipe: str = DEFAULT_RECIPE, task: str = DEFAULT_TASK, gpus: Gpus = "al
 
 __all__ = ["BuildRequest", "RunRequest", "Mount", "ContainerError", "EngineUnreachable", "build_request",
            "run_request", "send_build", "send_run", "build", "run", "docker_client", "engine_socket",
-           "default_image", "dockerfile_ngc_tag", "parse_mount", "parse_gpus", "parse_env"]
+           "default_image", "dockerfile_ngc_tag", "dockerfile_ngc_digest", "host_user", "parse_mount", "parse_gpus",
+           "parse_env"]

@@ -15,6 +15,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import sys
 
 from megatron_core.errors import UserError
@@ -28,13 +29,20 @@ _DISTRIBUTIONS = {
     "megatron-recipes": ("megatron-recipes",),
 }
 
+# The transformers range evaluation needs, and the one pyproject.toml requires (a test keeps them equal):
+# 5.24 renamed the KV cache to `cache=` / `.cache` (evaluate/generate.py) and 5.x loads with
+# from_pretrained(dtype=...) (evaluate/runner.py); 5.23 has no `cache` argument, so generation fails there.
+TRANSFORMERS_FLOOR = (5, 24)
+TRANSFORMERS_BELOW = (6,)  # the next major: untested
+TRANSFORMERS_REQUIREMENT = ">={},<{}".format(*(".".join(map(str, v)) for v in (TRANSFORMERS_FLOOR, TRANSFORMERS_BELOW)))
+
 # What each --require name checks in the report.
 REQUIREMENTS = {
     "cuda": lambda r: r["cuda"]["available"],
     "nccl": lambda r: r["nccl"]["available"],
     "apex": lambda r: r["apex"]["usable"],
     "triton": lambda r: r["triton"]["version"] is not None,
-    "transformers": lambda r: r["transformers"]["version"] is not None,
+    "transformers": lambda r: r["transformers"]["version"] is not None and r["transformers"]["ok"],
     "megatron-core": lambda r: r["megatron-core"]["version"] is not None,
 }
 
@@ -46,6 +54,26 @@ def _distribution_version(names: tuple[str, ...]) -> str | None:
         except importlib.metadata.PackageNotFoundError:
             continue
     return None
+
+
+def release(version: str) -> tuple[int, ...]:
+    """The numeric release of a version string: '5.24.0' -> (5, 24, 0), '4.56.1+ali' -> (4, 56, 1),
+    '5.25.0.dev0' -> (5, 25, 0)."""
+    parts = []
+    for piece in version.split("."):
+        digits = re.match(r"\d+", piece)
+        if digits is None:
+            break
+        parts.append(int(digits.group()))
+        if digits.group() != piece:  # '1+ali', '0rc1': the release ends here
+            break
+    return tuple(parts)
+
+
+def _transformers_section() -> dict:
+    version = _distribution_version(_DISTRIBUTIONS["transformers"])
+    ok = None if version is None else TRANSFORMERS_FLOOR <= release(version) < TRANSFORMERS_BELOW
+    return {"version": version, "required": TRANSFORMERS_REQUIREMENT, "ok": ok}
 
 
 def _torch_section() -> tuple[dict, dict, dict]:
@@ -106,14 +134,18 @@ def consequences(r: dict) -> list[str]:
             lines.append("NCCL: not available -> multi-GPU runs cannot use the nccl backend")
         if not r["apex"]["usable"]:
             missing = ", ".join(name for name, ok in r["apex"]["modules"].items() if not ok)
-            lines.append(f"Apex: {missing} missing -> Apex FusedAdam and fused LayerNorm disabled; "
-                         "PyTorch's AdamW and the Triton/PyTorch LayerNorm run instead")
+            lines.append(f"Apex: {missing} missing -> the opt-in `optimizer: apex` (FusedAdam) and `fusions: apex` "
+                         "(LayerNorm) are refused; the defaults, torch's AdamW and PyTorch LayerNorm, run")
         if r["triton"]["version"] is None:
             lines.append("Triton: not installed -> fused Triton kernels disabled; PyTorch reference ops run")
     if r["cuda"]["available"] is False and r["triton"]["version"] and not r["triton"]["interpreter"]:
         lines.append("Triton: installed, no GPU -> its kernels run on CPU only under TRITON_INTERPRET=1 (tests)")
     if r["transformers"]["version"] is None:
         lines.append("transformers: not installed -> Hugging Face conversion checks and evaluation disabled")
+    elif not r["transformers"]["ok"]:
+        lines.append(f"transformers: {r['transformers']['version']} is outside {TRANSFORMERS_REQUIREMENT} -> "
+                     "evaluation and HumanEval generation fail (they use the 5.24 KV-cache API, `cache=`) "
+                     f"or load the model in the wrong dtype; pip install 'transformers{TRANSFORMERS_REQUIREMENT}'")
     if r["megatron-core"]["version"] is None:
         lines.append("megatron-core: not installed -> conformance tests against Megatron's own code are skipped")
     if r["docker"]["version"] is None:
@@ -133,7 +165,8 @@ def report() -> dict:
         "apex": _apex_section(),
         "triton": _triton_section(cuda["available"]),
     }
-    for key in ("transformers", "megatron-core", "docker", "megatron-recipes"):
+    r["transformers"] = _transformers_section()
+    for key in ("megatron-core", "docker", "megatron-recipes"):
         r[key] = {"version": _distribution_version(_DISTRIBUTIONS[key])}
     r["pip_constraint"] = os.environ.get("PIP_CONSTRAINT") or None
     r["consequences"] = consequences(r)
@@ -142,6 +175,13 @@ def report() -> dict:
 
 def _yes(value) -> str:
     return "missing" if value is None or value is False else str(value)
+
+
+def _transformers_line(section: dict) -> str:
+    if section["version"] is None:
+        return "missing"
+    verdict = "ok" if section["ok"] else "NOT SUPPORTED"
+    return f"{section['version']} (needs {section['required']}: {verdict})"
 
 
 def format_report(r: dict) -> str:
@@ -173,7 +213,7 @@ def format_report(r: dict) -> str:
         ("NCCL", nccl_line),
         ("Apex", apex_line),
         ("Triton", triton_line),
-        ("transformers", _yes(r["transformers"]["version"])),
+        ("transformers", _transformers_line(r["transformers"])),
         ("megatron-core", _yes(r["megatron-core"]["version"])),
         ("docker SDK", _yes(r["docker"]["version"])),
         ("megatron-recipes", _yes(r["megatron-recipes"]["version"])),

@@ -7,6 +7,7 @@ goes through the real `docker.from_env()`.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import docker
@@ -18,7 +19,10 @@ from megatron_core.containers import ContainerError, EngineUnreachable
 
 ROOT = Path(__file__).resolve().parents[1]
 NGC_TAG = containers.dockerfile_ngc_tag()
+NGC_DIGEST = containers.dockerfile_ngc_digest()
 IMAGE = f"megatron-recipes:ngc{NGC_TAG}"
+USER = f"{os.getuid()}:{os.getgid()}"  # the caller's: the container's files in /work are its
+OTHER_DIGEST = "sha256:" + "ab" * 32
 ULIMITS = [Ulimit(name="memlock", soft=-1, hard=-1), Ulimit(name="stack", soft=67108864, hard=67108864)]
 
 
@@ -82,19 +86,33 @@ def dirs(tmp_path, monkeypatch):
 def test_build_request_defaults_come_from_the_dockerfile():
     request = containers.build_request()
     assert request.ngc_tag == NGC_TAG and request.tag == IMAGE and request.context == ROOT
+    assert request.ngc_digest == NGC_DIGEST
     assert request.command_line() == (f"docker build -f docker/Dockerfile --build-arg NGC_TAG={NGC_TAG} "
-                                      f"-t {IMAGE} {ROOT}")
+                                      f"--build-arg NGC_DIGEST={NGC_DIGEST} -t {IMAGE} {ROOT}")
+
+
+def test_another_ngc_tag_needs_its_own_digest():
+    # Docker pulls the digest when both are given: the Dockerfile's would silently build the pinned release.
+    with pytest.raises(ContainerError, match=r"^--ngc-tag 25.11 needs its --ngc-digest \(the Dockerfile pins "
+                                             rf"{NGC_TAG}'s\); `docker buildx imagetools inspect "
+                                             r"nvcr.io/nvidia/pytorch:25.11-py3` prints it$"):
+        containers.build_request(ngc_tag="25.11")
+    request = containers.build_request(ngc_tag="25.11", ngc_digest=OTHER_DIGEST)
+    assert request.buildargs == {"NGC_TAG": "25.11", "NGC_DIGEST": OTHER_DIGEST}
+    with pytest.raises(ContainerError, match="--ngc-digest 'sha256:abc' is not an image digest"):
+        containers.build_request(ngc_digest="sha256:abc")
 
 
 def test_build_sends_exact_request_and_streams_output():
     chunks = [{"stream": "Step 1/9 : ARG NGC_TAG=25.05\n"}, {"stream": "\n"}, {"aux": {"ID": "sha256:abc"}},
               {"stream": "Successfully tagged x:y\n"}]
     client, echoed = FakeClient(build_chunks=chunks), []
-    image_id = containers.build(tag="x:y", ngc_tag="25.05", client=client, echo=echoed.append)
+    image_id = containers.build(tag="x:y", ngc_tag="25.05", ngc_digest=OTHER_DIGEST, client=client,
+                                echo=echoed.append)
     assert image_id == "sha256:abc"
     assert client.calls == [("api.build", {"path": str(ROOT), "dockerfile": "docker/Dockerfile", "tag": "x:y",
-                                           "buildargs": {"NGC_TAG": "25.05"}, "rm": True, "decode": True,
-                                           "nocache": False, "pull": False})]
+                                           "buildargs": {"NGC_TAG": "25.05", "NGC_DIGEST": OTHER_DIGEST}, "rm": True,
+                                           "decode": True, "nocache": False, "pull": False})]
     assert echoed == ["Step 1/9 : ARG NGC_TAG=25.05", "Successfully tagged x:y", "built x:y (sha256:abc)"]
 
 
@@ -105,8 +123,9 @@ def test_build_error_chunk_is_one_clear_error():
 
 
 def test_build_dry_run_prints_command_and_needs_no_engine(capsys):
-    line = containers.build(tag="me/img:1", ngc_tag="25.10", dry_run=True, no_cache=True, pull=True)
-    assert line == f"docker build -f docker/Dockerfile --build-arg NGC_TAG=25.10 -t me/img:1 --no-cache --pull {ROOT}"
+    line = containers.build(tag="me/img:1", ngc_tag=NGC_TAG, dry_run=True, no_cache=True, pull=True)
+    assert line == (f"docker build -f docker/Dockerfile --build-arg NGC_TAG={NGC_TAG} --build-arg "
+                    f"NGC_DIGEST={NGC_DIGEST} -t me/img:1 --no-cache --pull {ROOT}")
     assert capsys.readouterr().out.strip() == line
 
 
@@ -143,6 +162,7 @@ def test_run_sends_exact_request_streams_logs_and_removes(dirs):
         "ulimits": ULIMITS,
         "volumes": {str(work): {"bind": "/work", "mode": "rw"}, str(cache): {"bind": "/cache", "mode": "rw"}},
         "environment": {},
+        "user": USER,
     }
     assert work.is_dir() and cache.is_dir()  # made here, not by the engine as root
     assert echoed[1:] == ["iteration 1", "done", "container exited with code 0"]
@@ -179,7 +199,14 @@ def test_run_dry_run_line(dirs):
     line = containers.run(dry_run=True, echo=lambda _: None, workdir=work, cache=cache)
     assert not work.exists() and not cache.exists()  # a dry run changes nothing
     assert line == (f"docker run --rm --gpus all --ipc=host --ulimit memlock=-1 --ulimit stack=67108864 "
-                    f"-v {work}:/work -v {cache}:/cache {IMAGE} invoke train --recipe codeparrot-small")
+                    f"--user {USER} -v {work}:/work -v {cache}:/cache {IMAGE} invoke train --recipe codeparrot-small")
+
+
+def test_run_as_another_user(dirs):
+    work, cache = dirs
+    request = containers.run_request("smoke", workdir=work, cache=cache, user="1234:5678")
+    assert request.sdk_kwargs()["user"] == "1234:5678"
+    assert " --user 1234:5678 " in request.command_line()
 
 
 def test_run_dry_run_line_multi_node(dirs):
@@ -188,7 +215,7 @@ def test_run_dry_run_line_multi_node(dirs):
                           cache=cache, network_host=True, env=["NCCL_SOCKET_IFNAME=ib0"],
                           task_args=["--nnodes", "2", "--node-rank", "0", "--master-addr", "node0"])
     assert line == (f"docker run --rm --gpus all --ipc=host --ulimit memlock=-1 --ulimit stack=67108864 "
-                    f"--network=host -v {work}:/work -v {cache}:/cache -e NCCL_SOCKET_IFNAME=ib0 {IMAGE} "
+                    f"--user {USER} --network=host -v {work}:/work -v {cache}:/cache -e NCCL_SOCKET_IFNAME=ib0 {IMAGE} "
                     "invoke train --recipe codeparrot-small-8gpu --nnodes 2 --node-rank 0 --master-addr node0")
 
 

@@ -1,4 +1,5 @@
-"""docker/Dockerfile passes hadolint with no warning, pins its base, guarantees Apex; the entrypoint works."""
+"""docker/Dockerfile passes hadolint with no warning, pins its base by tag and digest, guarantees Apex (built
+for A100/H100 only), the entrypoint runs as the owner of /work and works."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
@@ -43,12 +47,14 @@ def test_hadolint_check_catches_warnings(tmp_path):
     assert ("DL3003", "warning") in levels  # cd instead of WORKDIR
 
 
-def test_base_image_pinned_by_ngc_tag_arg():
+def test_base_image_pinned_by_ngc_tag_and_digest():
     text = DOCKERFILE.read_text()
     tag = re.search(r"^ARG NGC_TAG=(\S+)$", text, re.MULTILINE)
     assert tag and re.fullmatch(r"\d{2}\.\d{2}", tag.group(1)), "NGC_TAG must default to a YY.MM release"
+    digest = re.search(r"^ARG NGC_DIGEST=(\S+)$", text, re.MULTILINE)
+    assert digest and re.fullmatch(r"sha256:[0-9a-f]{64}", digest.group(1)), "NGC_DIGEST must pin the tag's image"
     froms = re.findall(r"^FROM\s+(\S+)", text, re.MULTILINE)
-    assert froms == ["nvcr.io/nvidia/pytorch:${NGC_TAG}-py3"]
+    assert froms == ["nvcr.io/nvidia/pytorch:${NGC_TAG}-py3@${NGC_DIGEST}"]
     assert ":latest" not in text
 
 
@@ -58,9 +64,19 @@ def test_apex_guaranteed_with_cuda_extensions():
     assert text.count(probe) == 2, "Apex must be probed before and verified after the fallback build"
     commit = re.search(r"^ARG APEX_COMMIT=([0-9a-f]{40})$", text, re.MULTILINE)
     assert commit, "Apex must be built from a pinned 40-hex commit"
-    build = re.search(r"APEX_CPP_EXT=1 APEX_CUDA_EXT=1.*?pip install (.*?)\n\s*\"apex @ git\+https://github.com/"
+    # NVIDIA/apex tag 25.09; the commit before it (575968bc...) is in no history of NVIDIA/apex
+    assert commit.group(1) == "4bdecd06b3c4b2c0a8fb6603829a8f9f05a42b49"
+    build = re.search(r"APEX_CPP_EXT=1 APEX_CUDA_EXT=1 (.*?)pip install (.*?)\n\s*\"apex @ git\+https://github.com/"
                       r"NVIDIA/apex.git@\$\{APEX_COMMIT\}\"", text, re.DOTALL)
-    assert build and "--no-build-isolation" in build.group(1) and "--no-deps" in build.group(1)
+    assert build and "--no-build-isolation" in build.group(2) and "--no-deps" in build.group(2)
+    # only the GPUs this project runs on: A100 (8.0), H100/H200 (9.0), not the base image's whole list
+    assert 'TORCH_CUDA_ARCH_LIST="${APEX_CUDA_ARCH_LIST}"' in build.group(1)
+    assert re.search(r'^ARG APEX_CUDA_ARCH_LIST="8.0;9.0"$', text, re.MULTILINE)
+
+
+def test_volumes_and_project_writable_by_the_callers_uid():
+    text = DOCKERFILE.read_text()
+    assert "chmod 1777 /work /cache" in text and "chmod -R a+rwX /opt/megatron-recipes" in text
 
 
 def test_project_install_keeps_torch_cuda_nccl():
@@ -89,7 +105,8 @@ def test_dockerignore_keeps_outputs_and_vcs_out():
 
 def _run_entrypoint(tmp_path, *args, extra_env=None):
     env = {**os.environ, "HF_HOME": str(tmp_path / "cache" / "hf"), "TRITON_CACHE_DIR": str(tmp_path / "cache" / "t"),
-           "NVIDIA_ENTRYPOINT": str(tmp_path / "absent.sh"), **(extra_env or {})}
+           "NVIDIA_ENTRYPOINT": str(tmp_path / "absent.sh"), "MEGATRON_WORK_DIR": str(tmp_path / "no-work-mount"),
+           **(extra_env or {})}
     return subprocess.run(["bash", str(ENTRYPOINT), *args], capture_output=True, text=True, env=env, timeout=30)
 
 
@@ -111,3 +128,29 @@ def test_entrypoint_hands_over_to_nvidia_entrypoint(tmp_path):
 
 def test_entrypoint_is_valid_bash():
     subprocess.run(["bash", "-n", str(ENTRYPOINT)], check=True)
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0 or not shutil.which("setpriv"),
+                    reason="switching users needs root and setpriv (util-linux), as in the image")
+def test_entrypoint_started_as_root_runs_as_the_owner_of_work():
+    # Under /tmp, not pytest's tmp_path: its root-only parents would hide the directory from the new uid.
+    base = Path(tempfile.mkdtemp(prefix="entrypoint-"))
+    try:
+        base.chmod(0o755)
+        work = base / "work"
+        work.mkdir()
+        os.chown(work, 4242, 4343)
+        command = 'touch "$MEGATRON_WORK_DIR/out"; id -u; id -g; echo "$HOME $USER"'
+        result = _run_entrypoint(base, "bash", "-c", command,
+                                 extra_env={"MEGATRON_WORK_DIR": str(work), "HOME": "/root", "USER": "root"})
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.split("\n")[:3] == ["4242", "4343", "/tmp/home-4242 uid4242"]
+        assert (os.stat(work / "out").st_uid, os.stat(work / "out").st_gid) == (4242, 4343)
+        # a root-owned /work: nothing to switch to, and it says so
+        os.chown(work, 0, 0)
+        result = _run_entrypoint(base, "id", "-u", extra_env={"MEGATRON_WORK_DIR": str(work)})
+        assert result.stdout.strip() == "0"
+        assert f"warning: running as root: {work} is owned by root" in result.stderr
+    finally:
+        shutil.rmtree(base)
+        shutil.rmtree("/tmp/home-4242", ignore_errors=True)

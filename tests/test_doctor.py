@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import subprocess
 import sys
 
@@ -89,3 +90,59 @@ def test_module_runs_as_a_program():
                             timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[0].startswith("python ")
+
+
+# -- transformers: the range evaluation needs, the same in pyproject.toml and the doctor ------------
+
+
+def _pyproject_requirement(name: str) -> str:
+    import tomllib
+    from pathlib import Path
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    found = [d.replace(" ", "") for d in pyproject["project"]["dependencies"] if re.match(rf"{name}\b", d)]
+    assert len(found) == 1, found
+    return found[0][len(name):]
+
+
+def test_transformers_floor_is_one_constant():
+    assert _pyproject_requirement("transformers") == doctor.TRANSFORMERS_REQUIREMENT == ">=5.24,<6"
+
+
+@pytest.mark.parametrize("version, ok", [("5.23.0", False), ("5.24.0", True), ("5.25.0.dev0", True),
+                                         ("5.30.1+local", True), ("4.57.6", False), ("6.0.0", False)])
+def test_transformers_range_bounds(version, ok):
+    assert (doctor.TRANSFORMERS_FLOOR <= doctor.release(version) < doctor.TRANSFORMERS_BELOW) is ok
+
+
+def test_too_old_transformers_is_named_with_the_fix(monkeypatch, capsys):
+    real = doctor._distribution_version
+    monkeypatch.setattr(doctor, "_distribution_version",
+                        lambda names: "4.57.1" if names == ("transformers",) else real(names))
+    assert doctor.main(["--require", "transformers"]) == 2
+    captured = capsys.readouterr()
+    assert "transformers      4.57.1 (needs >=5.24,<6: NOT SUPPORTED)" in captured.out
+    assert ("transformers: 4.57.1 is outside >=5.24,<6 -> evaluation and HumanEval generation fail"
+            in captured.out)
+    assert "pip install 'transformers>=5.24,<6'" in captured.out
+    assert "error: required but missing here: transformers;" in captured.err
+
+
+def test_installed_transformers_has_what_evaluation_calls(tmp_path):
+    """The names evaluate/generate.py and evaluate/runner.py use, on the installed transformers (5.23 lacks
+    the first three): the KV cache passed as `cache=` and returned as `.cache`, `logits_to_keep`,
+    Cache.batch_select_indices, and from_pretrained(dtype=...) loading in that dtype."""
+    import dataclasses
+    import inspect
+
+    from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
+    from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
+
+    assert doctor._transformers_section()["ok"], "the installed transformers is outside the required range"
+    forward = inspect.signature(GPT2LMHeadModel.forward).parameters
+    assert {"cache", "logits_to_keep", "attention_mask", "position_ids", "use_cache"} <= set(forward)
+    assert "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithCrossAttentions)}
+    assert callable(getattr(DynamicCache, "batch_select_indices", None))
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8)).save_pretrained(tmp_path)
+    loaded = GPT2LMHeadModel.from_pretrained(str(tmp_path), dtype=torch.bfloat16)
+    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
