@@ -7,16 +7,22 @@ The facts it follows are written down in docs/checkpoint-format.md.
     {save}/iter_{it:07d}/mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt (PP > 1)
 
 Writing: every rank file goes into `iter_{it}.tmp/` (written to a temporary name, fsynced,
-renamed), then one process renames the directory into place and replaces the tracker file, so a
-kill at any moment leaves the previous checkpoint complete and the tracker pointing at it.
+renamed; its size and crc32 noted beside it), then one process writes `manifest.json` (every file's
+size and crc32), renames the directory into place and replaces the tracker file, so a kill at any
+moment leaves a complete checkpoint that the tracker (or, without one, the directory listing) finds.
+Loading checks each file against the manifest (docs/checkpoint-format.md, "Verification").
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import json
 import os
 import re
 import shutil
+import threading
+import zlib
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -31,6 +37,8 @@ TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 MODEL_FILENAME = "model_optim_rng.pt"
 OPTIM_STATE_KEYS = ("fp32_param", "exp_avg", "exp_avg_sq")  # per-parameter optimizer state, by model name
 
+MANIFEST_FILENAME = "manifest.json"  # {file: size and crc32} of an iteration directory, written before publishing
+_SUM_SUFFIX = ".crc32"  # a staged file's "size crc32", gathered into the manifest when the iteration is published
 RELEASE = "release"  # the tracker's word for a checkpoint of weights only (import-hf, Megatron-LM releases)
 
 
@@ -303,7 +311,11 @@ def read_tracker(load: Path):
     tracker = Path(load) / TRACKER_FILENAME
     if not tracker.exists():
         return None
-    text = tracker.read_text().strip()
+    try:
+        text = tracker.read_text(encoding="utf-8").strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{tracker} holds bytes that are not text, not an iteration number; delete it or "
+                              "point --load at a valid checkpoint directory") from None
     if text == RELEASE:
         return RELEASE
     try:
@@ -318,11 +330,65 @@ def read_tracker(load: Path):
 # ----------------------------------------------------------------------------------------------
 
 
+def _crc32_file(path: Path) -> tuple[int, int]:
+    """(size, crc32) of a file, read in large chunks (zlib releases the GIL while it hashes)."""
+    crc, size = 0, 0
+    with open(path, "rb", buffering=0) as handle:
+        while chunk := handle.read(16 << 20):
+            crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+    return size, crc
+
+
+def read_manifest(iter_dir: Path) -> Optional[dict[str, tuple[int, int]]]:
+    """{path relative to the iteration directory: (size, crc32)}, or None for a checkpoint written
+    without one (before manifests, or by Megatron-LM): those load unverified."""
+    path = Path(iter_dir) / MANIFEST_FILENAME
+    if not path.exists():
+        return None
+    try:
+        files = json.loads(path.read_text(encoding="utf-8"))["files"]
+        return {name: (int(entry["size"]), int(entry["crc32"], 16)) for name, entry in files.items()}
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} is damaged ({type(exc).__name__}); the checkpoint cannot be verified") from None
+
+
+def verify_file(path: Path) -> None:
+    """Check a rank file against its iteration's manifest (a no-op where there is none)."""
+    path = Path(path)
+    iter_dir = path.parent.parent
+    if parse_rank_dirname(path.parent.name) is None or not (iter_dir / MANIFEST_FILENAME).exists():
+        return
+    expected = read_manifest(iter_dir).get(f"{path.parent.name}/{path.name}")
+    if expected is None:  # copied in from another node's folder (no shared disk): that node's manifest had it
+        return
+    size, crc = _crc32_file(path)
+    if (size, crc) != expected:
+        raise CheckpointError(f"{path} fails verification ({size} bytes, crc32 {crc:08x}; the manifest says "
+                              f"{expected[0]} bytes, crc32 {expected[1]:08x}): the file is damaged or comes from "
+                              "another save")
+
+
+def check_complete(iter_dir: Path) -> None:
+    """Cheap completeness (no reading): every file the manifest lists is there with its size; without a
+    manifest, every rank directory holds its model file. Raises CheckpointError naming what is wrong."""
+    manifest = read_manifest(iter_dir)
+    if manifest is None:
+        find_rank_files(iter_dir)
+        return
+    for name, (size, _) in manifest.items():
+        path = Path(iter_dir) / name
+        if not path.is_file() or path.stat().st_size != size:
+            raise CheckpointError(f"{path} is missing or truncated (the manifest says {size} bytes); the "
+                                  "checkpoint is incomplete")
+
+
 def load_checkpoint_file(path) -> dict:
-    """torch.load(weights_only=True) with our explicit allow-list (argparse.Namespace)."""
+    """torch.load(weights_only=True) with our explicit allow-list (argparse.Namespace), after checking
+    the file against its iteration's manifest."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint file {path} does not exist")
+    verify_file(path)
     with torch.serialization.safe_globals(SAFE_GLOBALS):
         try:
             return torch.load(path, map_location="cpu", weights_only=True)
@@ -331,9 +397,35 @@ def load_checkpoint_file(path) -> dict:
                                   f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
 
 
-def atomic_torch_save(obj: Any, path: Path) -> None:
+def _is_disk_full(exc: BaseException) -> bool:
+    """ENOSPC as Python raises it, or as torch's zip writer reports a short write."""
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("unexpected pos" in text or "file write failed" in text)
+
+
+def atomic_torch_save(obj: Any, path: Path) -> tuple[int, int]:
+    """torch.save to a temporary name, fsync, rename; returns the file's (size, crc32). The crc is
+    computed from the page cache while the fsync waits on the disk, so it adds little to a save."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    replace_atomically(path, lambda tmp: torch.save(obj, tmp))
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    result: list = []
+    try:
+        torch.save(obj, tmp)
+        hasher = threading.Thread(target=lambda: result.append(_crc32_file(tmp)), daemon=True)
+        hasher.start()
+        with open(tmp, "rb") as handle:
+            os.fsync(handle.fileno())
+        hasher.join()
+        if not result:
+            result.append(_crc32_file(tmp))  # the thread failed: hash here, raising its error
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return result[0]
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -372,27 +464,122 @@ def _fsync_dir(path: Path) -> None:
 
 def write_rank_file(save: Path, iteration, tp_rank: int, pp_rank: int, pp_size: int, state: dict,
                     filename: str = MODEL_FILENAME) -> Path:
-    """One rank's file into the iteration's staging directory (atomic, fsynced)."""
-    path = staging_dir(Path(save), iteration) / rank_dirname(tp_rank, pp_rank, pp_size) / filename
-    atomic_torch_save(state, path)
+    """One rank's file into the iteration's staging directory (atomic, fsynced), its size and crc32
+    beside it for the manifest. A full disk removes the staging directory and says so in one line."""
+    staging = staging_dir(Path(save), iteration)
+    path = staging / rank_dirname(tp_rank, pp_rank, pp_size) / filename
+    try:
+        size, crc = atomic_torch_save(state, path)
+        path.with_name(path.name + _SUM_SUFFIX).write_text(f"{size} {crc:08x}\n")
+    except (OSError, RuntimeError) as exc:
+        if not _is_disk_full(exc):
+            raise
+        shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointError(f"no space left on device while saving iteration {iteration} into {staging} "
+                              "(removed the partial copy; the previous checkpoint is intact): free space, or "
+                              "--save elsewhere") from None
     return path
 
 
-def publish_iteration(save: Path, iteration) -> Path:
-    """Move the staged iteration into place (replacing an older copy of it), then the tracker."""
+def write_manifest(staging: Path, iteration) -> None:
+    """Gather the staged files' sizes and crc32s into manifest.json (fsynced), dropping the notes."""
+    files = {}
+    for path in sorted(p for p in Path(staging).rglob("*") if p.is_file()):
+        rel = path.relative_to(staging).as_posix()
+        if rel == MANIFEST_FILENAME or path.name.endswith(_SUM_SUFFIX):
+            continue
+        note = path.with_name(path.name + _SUM_SUFFIX)
+        if note.exists():
+            size_text, crc_text = note.read_text().split()
+            size, crc = int(size_text), int(crc_text, 16)
+        else:  # written by another path than write_rank_file: hash it now
+            size, crc = _crc32_file(path)
+        files[rel] = {"size": size, "crc32": f"{crc:08x}"}
+    text = json.dumps({"iteration": iteration, "checksum": "crc32", "files": files}, indent=1) + "\n"
+    atomic_write_text(Path(staging) / MANIFEST_FILENAME, text)
+    for note in Path(staging).rglob("*" + _SUM_SUFFIX):
+        note.unlink()
+
+
+_ITERATION_DIR = re.compile(r"^iter_(\d{7})(\.old)?$")
+
+
+def published_iterations(save: Path) -> dict[int, Path]:
+    """{iteration: directory} of every iteration directory under `save`, newest first. An iteration
+    found only as `iter_N.old` (a re-save of N stopped between its two renames) counts as N."""
+    found: dict[int, Path] = {}
+    if not Path(save).is_dir():
+        return found
+    for child in Path(save).iterdir():
+        match = _ITERATION_DIR.match(child.name)
+        if match and child.is_dir() and (not match[2] or int(match[1]) not in found):
+            found[int(match[1])] = child
+    return dict(sorted(found.items(), reverse=True))
+
+
+def read_tracker_leniently(load: Path) -> tuple[Any, Optional[str]]:
+    """(iteration or "release" or None, what is wrong with the tracker or None): never raises."""
+    try:
+        value = read_tracker(load)
+    except CheckpointError as exc:
+        return None, str(exc).split(";")[0]
+    if value is not None and not iteration_dir(load, value).is_dir():
+        if value != RELEASE and published_iterations(load).get(value) is not None:
+            return value, None  # only its .old copy is there: still this iteration
+        return None, f"{Path(load) / TRACKER_FILENAME} names iteration {value}, whose directory is missing"
+    return value, None
+
+
+def _point_tracker_before(save: Path, iteration: int) -> None:
+    """Before iter_N (which the tracker names) is moved aside: point the tracker at the newest complete
+    older iteration, or remove it where there is none (the directory listing then finds iter_N/.old)."""
+    for older, where in published_iterations(save).items():
+        if iteration != RELEASE and older < iteration:
+            try:
+                check_complete(where)
+            except CheckpointError:
+                continue
+            atomic_write_text(save / TRACKER_FILENAME, f"{older}\n")
+            return
+    (save / TRACKER_FILENAME).unlink(missing_ok=True)
+
+
+def prune_iterations(save: Path, iteration: int, keep_last: Optional[int]) -> list[Path]:
+    """Delete iteration directories older than the newest `keep_last` up to `iteration` (None or 0:
+    keep all). Each is renamed away first so a half-deleted one is never taken for a checkpoint."""
+    if not keep_last or not isinstance(iteration, int):
+        return []
+    older = [(n, d) for n, d in published_iterations(save).items() if n <= iteration][keep_last:]
+    removed = []
+    for _, where in older:
+        doomed = where.with_name(where.name + ".pruned")
+        shutil.rmtree(doomed, ignore_errors=True)
+        os.replace(where, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+        removed.append(where)
+    return removed
+
+
+def publish_iteration(save: Path, iteration, keep_last: Optional[int] = None) -> Path:
+    """Move the staged iteration into place, then the tracker; then drop all but the newest
+    `keep_last` iterations. The tracker never names a directory that is not there: re-saving the
+    iteration it names first points it at the previous complete one (docs/checkpoint-format.md)."""
     save = Path(save)
     final_dir, tmp_dir = iteration_dir(save, iteration), staging_dir(save, iteration)
-    if final_dir.exists():  # re-saving an iteration: move the old one aside, then drop it
-        old = final_dir.with_name(final_dir.name + ".old")
+    write_manifest(tmp_dir, iteration)
+    old = final_dir.with_name(final_dir.name + ".old")
+    if final_dir.exists():  # re-saving an iteration: move the old one aside
+        if read_tracker_leniently(save)[0] == iteration:
+            _point_tracker_before(save, iteration)
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final_dir, old)
-        os.replace(tmp_dir, final_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp_dir, final_dir)
+        _fsync_dir(save)
+    os.replace(tmp_dir, final_dir)
     _fsync_dir(save)
     atomic_write_text(save / TRACKER_FILENAME, f"{iteration}\n")
     _fsync_dir(save)
+    shutil.rmtree(old, ignore_errors=True)
+    prune_iterations(save, iteration, keep_last)
     return final_dir
 
 

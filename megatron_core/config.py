@@ -150,9 +150,15 @@ class TrainingConfig:
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000
     hysteresis: int = 2
+    # The NaN guard (Megatron's check_for_nan_in_loss_and_grad, always on): an iteration whose loss or
+    # grad norm is NaN/inf is skipped; this many such iterations in a row stop the run with an error.
+    max_consecutive_nan_steps: int = 3
     seed: int = 1234
     log_interval: int = 100
     save_interval: Optional[int] = None
+    # Iteration directories kept on disk: older ones are deleted after each successful save (0 or
+    # null: keep all). Two, so a checkpoint that fails verification has a good one to fall back to.
+    keep_last_checkpoints: Optional[int] = 2
     eval_interval: int = 1000
     eval_iters: int = 100
     # Fused-kernel backends: one choice for all, with per-fusion overrides
@@ -161,6 +167,9 @@ class TrainingConfig:
     fusion_overrides: dict = field(default_factory=dict)
     compile: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # The inner Adam: torch's AdamW (fused, on CUDA and CPU) or Apex's FusedAdam (CUDA only; opt-in until a
+    # GPU check has compared it with torch's step for step). Same update rule: a resume may switch.
+    optimizer: Literal["adam", "apex"] = "adam"
 
     @property
     def decay_iters(self) -> int:
@@ -202,10 +211,13 @@ RESUME_SAFE_KEYS = frozenset(
         "model.attention_backend",
         "training.log_interval",
         "training.save_interval",
+        "training.keep_last_checkpoints",
+        "training.max_consecutive_nan_steps",
         "training.eval_interval",
         "training.eval_iters",
         "training.lr_decay_iters",
         "training.device",
+        "training.optimizer",
         "description",
         "hardware",
         "version",
@@ -218,9 +230,10 @@ RESUME_SAFE_KEYS = frozenset(
 )
 
 
-# Keys added after recipes were hashed: at their default (None) they are left out of the resolved
-# recipe, so every existing recipe keeps its hash, run directory and resumable checkpoints.
-KEYS_HASHED_ONLY_WHEN_SET = ("parallel.num_layers_per_virtual_pipeline_stage",)
+# Keys added after recipes were hashed: at their default they are left out of the resolved recipe, so
+# every existing recipe keeps its hash, run directory and resumable checkpoints.
+KEYS_HASHED_ONLY_WHEN_SET = ("parallel.num_layers_per_virtual_pipeline_stage", "training.optimizer",
+                             "training.keep_last_checkpoints", "training.max_consecutive_nan_steps")
 
 
 @dataclass
@@ -278,7 +291,7 @@ class Recipe:
             out[name] = dataclasses.asdict(getattr(self, name))
         for dotted in KEYS_HASHED_ONLY_WHEN_SET:
             section, key = dotted.split(".")
-            if out[section][key] is None:
+            if out[section][key] == _field_default(SECTIONS[section], key):
                 del out[section][key]
         return out
 
@@ -488,6 +501,10 @@ def _virtual_pipeline_problems(num_layers: int, pp: int, layers_per_virtual_stag
     return problems
 
 
+def _field_default(cls: type, name: str) -> Any:
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+
 def validate(recipe: Recipe) -> None:
     """Refuse impossible combinations before any work starts."""
     m, p, t = recipe.model, recipe.parallel, recipe.training
@@ -545,6 +562,14 @@ def validate(recipe: Recipe) -> None:
         problems.append(f"model.seq_length {m.seq_length} is not divisible by TP {tp} (sequence parallel)")
     if t.fp16 and t.bf16:
         problems.append("training.fp16 and training.bf16 are both set: choose one")
+    if t.keep_last_checkpoints is not None and t.keep_last_checkpoints < 0:
+        problems.append(f"training.keep_last_checkpoints must be >= 0 (0 or null keeps every checkpoint), got "
+                        f"{t.keep_last_checkpoints}")
+    if t.max_consecutive_nan_steps < 1:
+        problems.append(f"training.max_consecutive_nan_steps must be >= 1, got {t.max_consecutive_nan_steps}")
+    if t.optimizer == "apex" and t.device == "cpu":
+        problems.append("training.optimizer 'apex' (Apex's FusedAdam) runs on CUDA only but training.device is "
+                        "cpu: use --set optimizer=adam (torch's AdamW)")
     if t.lr_warmup_iters > t.decay_iters:
         problems.append(
             f"training.lr_warmup_iters {t.lr_warmup_iters} > lr_decay_iters {t.decay_iters}"

@@ -53,8 +53,32 @@ def step_dir(recipe: Recipe, workdir, stage: str) -> Step:
     return Step(stage, recipe_root(recipe, workdir) / f"{stage}-{recipe.stage_hash(stage)}")
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def remove_stale_staging(directory: Path) -> list[Path]:
+    """Remove `{directory}.tmp-<pid>` staging directories left by steps whose process is gone (a
+    killed build); a live process's staging is left alone."""
+    removed = []
+    for stale in directory.parent.glob(f"{directory.name}.tmp-*"):
+        pid = stale.name.rsplit("-", 1)[1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+            log(f"removed {stale}: staging of an interrupted build (process {pid} is gone)")
+            removed.append(stale)
+    return removed
+
+
 def _build(step: Step, recipe: Recipe, build: Callable[[Path], dict], force: bool = False) -> Step:
     """Run `build(tmp_dir) -> manifest fields` unless the step is done; publish atomically."""
+    remove_stale_staging(step.directory)
     if step.done and not force:
         log(f"{step.name}: up to date in {step.directory}")
         return step

@@ -147,6 +147,8 @@ def _make_legacy(ckpt_dir, version: float, newer_norm_names: bool):
         lm["encoder" if newer_norm_names else "transformer"] = encoder
         obj["checkpoint_version"] = version
         torch.save(obj, path)
+    for manifest in ckpt_dir.glob("iter_*/manifest.json"):  # Megatron-LM's own checkpoints have none
+        manifest.unlink()
 
 
 @pytest.mark.parametrize("version,newer_names", [(0, False), (1.0, False), (2.0, True)])

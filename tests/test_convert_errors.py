@@ -37,6 +37,7 @@ def test_shards_from_different_iterations_and_runs(tp2, tp1_checkpoint, tokenize
     other = save_layout(tmp_path / "other", tiny_recipe(2, 1), tp1_checkpoint[2], *tokenizer_files, tp=2, pp=1,
                         iteration=20)
     shard = tp2 / "iter_0000010" / "mp_rank_01"
+    (tp2 / "iter_0000010" / "manifest.json").unlink(missing_ok=True)  # with one, its crc32 refuses the copy first
     shutil.rmtree(shard)
     shutil.copytree(other / "iter_0000020" / "mp_rank_01", shard)
     with pytest.raises(UserError, match="disagree on 'iteration'"):
@@ -100,9 +101,9 @@ def test_import_into_an_occupied_directory_is_refused_unless_overwrite_and_bf16_
     with pytest.raises(UserError, match="already holds a checkpoint; pass --overwrite"):
         import_hf_model(hf, ckpt, tp=1)
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == tracker
-    assert sorted(p.name for p in (ckpt / "release").iterdir()) == ["mp_rank_00", "mp_rank_01"]
+    assert sorted(p.name for p in (ckpt / "release").iterdir()) == ["manifest.json", "mp_rank_00", "mp_rank_01"]
     import_hf_model(hf, ckpt, tp=1, overwrite=True)
-    assert sorted(p.name for p in (ckpt / "release").iterdir()) == ["mp_rank_00"]
+    assert sorted(p.name for p in (ckpt / "release").iterdir()) == ["manifest.json", "mp_rank_00"]
 
 
 def test_cli_prints_error_and_exits_2(tmp_path):
@@ -124,6 +125,7 @@ def test_mixed_shards_of_a_legacy_checkpoint_without_recipe_hash(tp1_checkpoint,
             obj = load_checkpoint_file(path)
             del obj["recipe_hash"], obj["recipe"]
             torch.save(obj, path)
+        (ckpt / "iter_0000010" / "manifest.json").unlink()  # Megatron-LM writes none
     rel = "iter_0000010/mp_rank_01/model_optim_rng.pt"
     shutil.copyfile(b / rel, a / rel)
     with pytest.raises(UserError, match="different copies of the replicated .*different runs"):

@@ -172,3 +172,24 @@ def test_hf_load_checks_shape_loss_and_generation(tmp_path):
         hf_load.check_hf_model(tmp_path, {**expect, "n_layer": 12})
     with pytest.raises(golden.UserError, match="has no config.json"):
         hf_load.check_hf_model(tmp_path / "absent")
+
+
+def test_sanity_judges_the_iterations_that_stepped_and_counts_fp16_skips(tmp_path):
+    """An fp16 run's first intervals, all skipped by the loss scaler, log lm_loss null: sanity leaves them out
+    and reports the skips; a NaN-guard iteration (`nan`) or a null loss in an interval that skipped nothing
+    still fails."""
+    def record(it, loss, skipped=0, nan=0):
+        return json.dumps({"type": "train", "iteration": it, "lm_loss": loss, "skipped": skipped, "nan": nan})
+
+    skipped = [record(2, None, skipped=2), record(4, None, skipped=2)]
+    path = write_metrics(tmp_path / "fp16.jsonl", train={6: 6.0, 8: 5.5}, extra_lines=skipped)
+    assert golden.sanity(path) == "sane: 2 train values, lm_loss 6.0000 -> 5.5000; 4 iterations skipped (fp16 loss scaling)"
+    flagged = write_metrics(tmp_path / "nan.jsonl", train={6: 6.0, 8: 5.5}, extra_lines=[record(4, None, 1, 1)])
+    with pytest.raises(golden.GoldenError, match="non-finite"):
+        golden.sanity(flagged)
+    silent = write_metrics(tmp_path / "null.jsonl", train={6: 6.0, 8: 5.5}, extra_lines=[record(4, None)])
+    with pytest.raises(golden.GoldenError, match=r"non-finite lm_loss at \[\('train', 4\)\]"):
+        golden.sanity(silent)
+    only_skips = write_metrics(tmp_path / "short.jsonl", train={6: 6.0}, extra_lines=skipped)
+    with pytest.raises(golden.GoldenError, match=r"fewer than two logged train iterations that stepped \(4 skipped\)"):
+        golden.sanity(only_skips)

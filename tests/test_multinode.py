@@ -165,7 +165,7 @@ def test_two_nodes_without_a_shared_filesystem(tmp_path):
     # Each node holds its own TP rank's file; gathered, they are the one-node checkpoint.
     held = {name: sorted(p.name for p in (runs[name] / "checkpoints" / "iter_0000006").iterdir())
             for name in ("node0", "node1")}
-    assert held == {"node0": ["mp_rank_00"], "node1": ["mp_rank_01"]}
+    assert held == {"node0": ["manifest.json", "mp_rank_00"], "node1": ["manifest.json", "mp_rank_01"]}
     gathered = tmp_path / "gathered"
     shutil.copytree(runs["node0"] / "checkpoints", gathered)
     shutil.copytree(runs["node1"] / "checkpoints" / "iter_0000006" / "mp_rank_01",

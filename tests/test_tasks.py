@@ -75,7 +75,7 @@ def test_convert_refuses_an_occupied_target_and_import_hf_round_trips(smoke_pipe
     assert (tmp_path / "hf10" / "pytorch_model.bin").exists()
     imported = invoke("import-hf", "--model", str(run / "hf"), "--save", str(tmp_path / "ckpt"), "--tp", "2")
     assert imported.returncode == 0, imported.stderr
-    assert sorted(p.name for p in (tmp_path / "ckpt" / "release").iterdir()) == ["mp_rank_00", "mp_rank_01"]
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "release").iterdir()) == ["manifest.json", "mp_rank_00", "mp_rank_01"]
 
 
 def test_a_checkpoint_directory_converts_and_evaluates_on_its_own(smoke_pipeline, tmp_path):
@@ -157,7 +157,8 @@ def test_docker_tasks_dry_run(tmp_path):
                  "--set", "lr=1e-4")
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == (
-        "docker run --rm --gpus all --ipc=host --ulimit memlock=-1 --ulimit stack=67108864 --network=host "
+        "docker run --rm --gpus all --ipc=host --ulimit memlock=-1 --ulimit stack=67108864 "
+        f"--user {os.getuid()}:{os.getgid()} --network=host "
         f"-v {tmp_path / 'w'}:/work -v {tmp_path / 'c'}:/cache img:t invoke train --recipe codeparrot-small-8gpu "
         "--set lr=1e-4 --nnodes 2 --node-rank 0 --master-addr node0")
     assert not (tmp_path / "w").exists()  # a dry run creates nothing

@@ -221,3 +221,55 @@ def test_backend_follows_the_recipe_device_even_where_cuda_is_visible(monkeypatc
     with pytest.raises(RuntimeError, match="stop here"):
         train(tiny_recipe(f"device={device}"), tmp_path, corpus, vocab_size=VOCAB_SIZE)
     assert seen["backend"] == backend
+
+
+def test_fp16_skipped_iterations_are_reported_as_skipped_not_as_nan_losses(corpus, tmp_path):
+    """fp16 at the recipes' own loss scaling (2^32, hysteresis 2): the first iterations overflow until the
+    scale comes down. They are counted as skipped, their intervals' lm_loss is null (never NaN: strict JSON),
+    the NaN counter stays 0, and the golden `sanity` check judges the iterations that stepped."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from ci import golden
+
+    def strict(text: str) -> dict:
+        return json.loads(text, parse_constant=lambda name: pytest.fail(f"bare {name} in JSON"))
+
+    recipe = tiny_recipe("train_iters=30", "fp16=true", "save_interval=null", "eval_iters=0", "training.log_interval=3")
+    assert (recipe.training.initial_loss_scale, recipe.training.hysteresis) == (2.0**32, 2)
+    train_below_checks(recipe, tmp_path, corpus)
+    records = [strict(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    all_skipped = [r["iteration"] for r in records if r["skipped"] == 3]
+    assert all_skipped[:2] == [3, 6] and all(r["lm_loss"] is None for r in records if r["iteration"] in all_skipped)
+    assert all(r["nan"] == 0 for r in records)
+    stepped = [r["lm_loss"] for r in records if r["lm_loss"] is not None]
+    assert len(stepped) >= 3 and stepped[-1] < stepped[0]
+    summary = strict((tmp_path / "summary.json").read_text())
+    assert summary["skipped_iterations"] == sum(r["skipped"] for r in records) >= 6 and summary["nan_iterations"] == 0
+    verdict = golden.sanity(tmp_path / "metrics.jsonl")
+    assert verdict.startswith(f"sane: {len(stepped)} train values") and f"{summary['skipped_iterations']} iterations skipped" in verdict
+
+
+@pytest.mark.parametrize("extra, rc", [((), 0), (("--set", "world_size=2"), 2)])
+def test_main_destroys_the_process_group_it_started(monkeypatch, corpus, tmp_path, extra, rc):
+    """Under torchrun's environment (a 1-rank gloo group here) `python -m megatron_core.pretrain_gpt` destroys
+    the process group it created before it returns, after a finished run and after an error alike."""
+    import torch.distributed as dist
+
+    from distributed_utils import free_port
+    from training_fixtures import TINY_OVERRIDES
+
+    for name, value in {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(name, value)
+    sets = [arg for item in (*TINY_OVERRIDES, "train_iters=3", "eval_iters=0", "save_interval=null")
+            for arg in ("--set", item)]
+    try:
+        assert train_main(["--recipe", "smoke", *sets, *extra, "--data-path", corpus, "--vocab-size", "100",
+                           "--run-dir", str(tmp_path)]) == rc
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

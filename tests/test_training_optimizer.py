@@ -238,7 +238,7 @@ def test_flat_spans_merge_back_to_back_views_and_keep_every_element_as_often():
     assert sum(s.numel() for s in spans) == sum(v.numel() for v in views)
     assert all(s.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr() for s in spans if s.dim() == 1)
     want = torch.cat([v.reshape(-1) for v in views]).norm()
-    assert global_grad_norm(views, []) == pytest.approx(float(want), rel=1e-6)
+    assert global_grad_norm(views, [], torch.device("cpu")) == pytest.approx(float(want), rel=1e-6)
     before = buffer.clone()
     clip_by_norm_(views[:4], float(want), max_norm=float(want) / 2)  # each element scaled once
     assert torch.allclose(buffer[:70], before[:70] / 2) and torch.allclose(buffer[80:90], before[80:90] / 2)
@@ -258,3 +258,125 @@ def test_flat_spans_keep_the_callers_order_of_buffers_not_their_addresses():
         assert [s.untyped_storage().data_ptr() for s in spans] == [first.untyped_storage().data_ptr(),
                                                                     second.untyped_storage().data_ptr()]
         assert [s.numel() for s in spans] == [10, 10]
+
+
+# -- the NaN guard, collective devices, host copies at save (issue 30 bugs 5 and 6, issue 32) ---------------
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_nan_gradient_or_loss_skips_the_update_in_every_precision(precision):
+    """fp32 and bf16 have no loss scaler, yet a NaN gradient element (or a NaN loss on some rank) must not
+    reach the weights: the step is skipped with the non-finite norm, and the next clean step goes on."""
+    torch.manual_seed(0)
+    model = TwoLayer().to(torch.float32 if precision == "fp32" else torch.bfloat16)
+    opt = _opt(model, precision)
+    x = torch.randn(8, 4).to(next(model.parameters()).dtype)
+
+    def backward():
+        opt.zero_grad()
+        model(x).float().backward()
+
+    backward()
+    model.dense.weight.grad[1, 2] = float("nan")
+    weights = [p.detach().clone() for p in model.parameters()]
+    masters = [m.detach().clone() for m in opt.master_params]
+    ok, norm, _ = opt.step()
+    assert not ok and math.isnan(norm)
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(masters, opt.master_params))
+    assert not opt.optimizer.state  # Adam's moments never saw the NaN
+
+    backward()  # finite gradients, but this rank's loss was NaN: skipped as well
+    ok, norm, _ = opt.step(nonfinite_loss=True)
+    assert not ok and math.isnan(norm)
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+
+    backward()
+    ok, norm, _ = opt.step()
+    assert ok and math.isfinite(norm)
+    assert not torch.equal(weights[0], model.dense.weight)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_fp16_tells_an_overflow_from_a_nan_loss():
+    """fp16: an overflowing gradient is the loss scaler's (grad norm None); a NaN loss is the NaN guard's
+    (grad norm NaN). Both skip the update and back the scale off."""
+    model = TwoLayer().half()
+    opt = _opt(model, "fp16", DynamicGradScaler(initial_scale=1024.0, hysteresis=1))
+    x = torch.randn(8, 4).half()
+    for nonfinite_loss, want_norm in ((False, None), (True, "nan")):
+        opt.zero_grad()
+        opt.scale_loss(model(x).float()).backward()
+        if not nonfinite_loss:
+            model.dense.weight.grad[0, 0] = float("inf")
+        scale = opt.loss_scale
+        ok, norm, _ = opt.step(nonfinite_loss=nonfinite_loss)
+        assert not ok and opt.loss_scale == scale / 2
+        assert (norm is None) if want_norm is None else math.isnan(norm)
+
+
+class _CollectiveReached(Exception):
+    pass
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_rank_without_gradients_reduces_on_the_training_device(monkeypatch, precision):
+    """The norm's and the overflow check's collectives run on the device the optimizer was given even where
+    this rank holds no gradient (NCCL refuses a CPU tensor). 'meta' stands in for cuda:N on this host."""
+    import torch.distributed as dist
+
+    from megatron_core import parallel_state
+
+    seen = []
+
+    def all_reduce(tensor, op=None, group=None):
+        seen.append(tensor.device)
+        raise _CollectiveReached
+
+    monkeypatch.setattr(parallel_state, "get_model_parallel_group", lambda: "model-parallel group")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    model = TwoLayer().half() if precision == "fp16" else TwoLayer()
+    opt = MegatronOptimizer(model, AdamSettings(lr=1e-2, weight_decay=0.0), precision=precision,
+                            device=torch.device("meta"))
+    opt.zero_grad()  # no backward: this rank has no gradients
+    with pytest.raises(_CollectiveReached):
+        opt.step()
+    assert seen == [torch.device("meta")]
+
+
+def _fake_cuda_module():
+    """A module whose parameters claim to live on cuda:0 (FakeTensorMode: shapes and devices, no data)."""
+    module = torch.nn.Module()
+    module.weight = torch.nn.Parameter(torch.empty(4, 4, device="cuda", dtype=torch.float16))
+    module.bias = torch.nn.Parameter(torch.empty(4, device="cuda", dtype=torch.float16))
+    return module
+
+
+def test_checkpoint_state_copies_masters_and_moments_to_the_host():
+    """state_dict() hands the checkpoint host copies of the fp32 masters and Adam moments: nothing is cloned
+    on the training device (12 bytes/param of GPU memory at every save). Checked with parameters that claim
+    cuda:0 under FakeTensorMode, and on real CPU tensors: the copies do not share memory with the live state."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        opt = MegatronOptimizer(_fake_cuda_module(), AdamSettings(lr=1e-2, weight_decay=0.0), precision="fp16")
+        weight_master = opt.master_params[0]
+        opt.optimizer.state[weight_master] = {k: torch.zeros_like(weight_master) for k in ("exp_avg", "exp_avg_sq")}
+        saved = opt.state_dict()["param_state"]
+    assert {m.device.type for m in opt.master_params} == {"cuda"}
+    devices = {name: {k: t.device.type for k, t in entry.items()} for name, entry in saved.items()}
+    assert devices == {name: {"fp32_param": "cpu", "exp_avg": "cpu", "exp_avg_sq": "cpu"} for name in ("weight", "bias")}
+
+    model = TwoLayer().bfloat16()
+    opt = _opt(model, "bf16")
+    opt.zero_grad()
+    model(torch.randn(8, 4).bfloat16()).float().backward()
+    assert opt.step()[0]
+    saved = opt.state_dict()["param_state"]["dense.weight"]
+    live = opt.optimizer.state[opt.master_params[0]]
+    expected = {k: t.clone() for k, t in saved.items()}
+    with torch.no_grad():
+        opt.master_params[0].add_(1.0)
+        live["exp_avg"].add_(1.0)
+    assert all(torch.equal(saved[k], expected[k]) for k in saved)

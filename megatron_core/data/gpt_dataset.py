@@ -358,6 +358,21 @@ class IndexCache:
     def load(self) -> Dict[str, np.ndarray]:
         return {name: np.load(self.path(name), mmap_mode="r", allow_pickle=False) for name in self.names}
 
+    def damage(self) -> Optional[str]:
+        """Why a complete-looking cache cannot be used (a truncated or garbled .npy), or None."""
+        for name in self.names:
+            try:
+                np.load(self.path(name), mmap_mode="r", allow_pickle=False)
+            except (ValueError, OSError, EOFError) as exc:
+                return f"{self.path(name)} is damaged ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+        return None
+
+    def discard(self) -> None:
+        """Forget the cache (its description first: without it the arrays are never read)."""
+        for path in (self.description_path, *map(self.path, self.names)):
+            if os.path.exists(path):
+                os.remove(path)
+
 
 # Counts cache builds in this process, so tests can prove a second build reused the files.
 BUILD_COUNTER = {"gpt": 0, "blend": 0}
@@ -370,6 +385,11 @@ def load_or_build(cache: IndexCache, build, what: str) -> Dict[str, np.ndarray]:
     if cache.cache_dir is None:
         log(f"{what}: no cache_dir, building in memory (nothing saved)")
         return _timed_build(functools.partial(build, sink=None), what)
+    if parallel_state.is_local_rank_zero() and cache.is_complete():
+        damage = cache.damage()
+        if damage:
+            log(f"{what}: {damage}; rebuilding the index cache")
+            cache.discard()
     if parallel_state.is_local_rank_zero() and not cache.is_complete():
         arrays = _timed_build(functools.partial(build, sink=cache.save_array), what)
         cache.save(arrays)
@@ -398,8 +418,9 @@ def _timed_build(build, what: str) -> Dict[str, np.ndarray]:
 class GPTDataset(torch.utils.data.Dataset):
     """Shuffled GPT samples of one split: dicts of int64 tensors, each seq_length long."""
 
-    def __init__(self, indexed_dataset, indices: Dict[str, np.ndarray], seq_length: int, split_name: str, eod_mask_token: Optional[int] = None):
+    def __init__(self, indexed_dataset, indices: Dict[str, np.ndarray], seq_length: int, split_name: str, eod_mask_token: Optional[int] = None, vocab_size: Optional[int] = None):
         self.indexed_dataset = indexed_dataset
+        self.vocab_size = vocab_size  # token ids at or above it are refused (they would index past the embedding)
         self.document_index = indices["document_index"]
         self.sample_index = indices["sample_index"]
         self.shuffle_index = indices["shuffle_index"]
@@ -428,7 +449,13 @@ class GPTDataset(torch.utils.data.Dataset):
         return np.concatenate(parts)
 
     def __getitem__(self, idx: int) -> Dict[str, torch.Tensor]:
-        text = torch.from_numpy(self.sample_tokens(int(idx)).astype(np.int64))
+        sample = self.sample_tokens(int(idx))
+        if self.vocab_size is not None and sample.size and int(sample.max()) >= self.vocab_size:
+            raise GPTDatasetError(
+                f"{self.indexed_dataset.path_prefix}.bin holds token id {int(sample.max())} (in {self.split_name} sample "
+                f"{idx}), not below the padded vocabulary size {self.vocab_size}: it was tokenized with another "
+                "vocabulary; re-run `invoke preprocess` with this run's tokenizer")
+        text = torch.from_numpy(sample.astype(np.int64))
         tokens = text[:-1].contiguous()
         loss_mask = torch.ones(self.seq_length, dtype=torch.int64)
         if self.eod_mask_token is not None:
@@ -445,7 +472,7 @@ def _open_indexed_dataset(prefix: str):
     return IndexedDataset(prefix)
 
 
-def _gpt_split_datasets(prefix: str, indexed, split: str, seq_length: int, sizes: Sequence[Optional[int]], seed: int, cache_dir: Optional[str], eod_mask_token: Optional[int]) -> List[Optional[GPTDataset]]:
+def _gpt_split_datasets(prefix: str, indexed, split: str, seq_length: int, sizes: Sequence[Optional[int]], seed: int, cache_dir: Optional[str], eod_mask_token: Optional[int], vocab_size: Optional[int] = None) -> List[Optional[GPTDataset]]:
     sequence_lengths = np.asarray(indexed.sequence_lengths)
     ranges = split_sequence_ranges(split, len(sequence_lengths))
     identity = _file_identity(prefix + ".idx")
@@ -473,7 +500,7 @@ def _gpt_split_datasets(prefix: str, indexed, split: str, seq_length: int, sizes
             return build_gpt_indices(sequence_lengths, documents, seq_length, size, seed, sink).arrays()
 
         indices = load_or_build(cache, build, f"{name} split of {os.path.basename(prefix)} ({size} samples)")
-        dataset = GPTDataset(indexed, indices, seq_length, name, eod_mask_token)
+        dataset = GPTDataset(indexed, indices, seq_length, name, eod_mask_token, vocab_size)
         dataset.cache_key = cache.key  # names this split's indices; a blend's cache name builds on it
         out.append(dataset)
     return out
@@ -488,12 +515,14 @@ def build_gpt_datasets(
     seed: int,
     cache_dir: Optional[str],
     eod_mask_token: Optional[int] = None,
+    vocab_size: Optional[int] = None,
 ) -> Tuple[Optional[torch.utils.data.Dataset], Optional[torch.utils.data.Dataset], Optional[torch.utils.data.Dataset]]:
     """(train, valid, test) datasets, None for a split whose share is zero.
 
     data_prefix: a `.bin/.idx` prefix, or a blend [w1, prefix1, w2, prefix2, ...]. num_samples:
     samples requested per split (None: one epoch). eod_mask_token: when given, the loss mask is
-    0 where the input token is that id (Megatron's --eod-mask-loss; off by default).
+    0 where the input token is that id (Megatron's --eod-mask-loss; off by default). vocab_size:
+    when given, a sample holding a token id at or above it is refused in one line naming the file.
     """
     if len(num_samples) != 3:
         raise GPTDatasetError(f"num_samples {num_samples!r} must be three counts (train, valid, test)")
@@ -502,11 +531,13 @@ def build_gpt_datasets(
     prefixes, weights = blending.parse_data_prefix(data_prefix)
     if weights is None:
         indexed = _open_indexed_dataset(prefixes[0])
-        return tuple(_gpt_split_datasets(prefixes[0], indexed, split, seq_length, num_samples, seed, cache_dir, eod_mask_token))
-    return tuple(_blended_datasets(prefixes, weights, split, seq_length, num_samples, seed, cache_dir, eod_mask_token))
+        return tuple(_gpt_split_datasets(prefixes[0], indexed, split, seq_length, num_samples, seed, cache_dir, eod_mask_token,
+                                         vocab_size))
+    return tuple(_blended_datasets(prefixes, weights, split, seq_length, num_samples, seed, cache_dir, eod_mask_token,
+                                   vocab_size))
 
 
-def _blended_datasets(prefixes, weights, split, seq_length, num_samples, seed, cache_dir, eod_mask_token):
+def _blended_datasets(prefixes, weights, split, seq_length, num_samples, seed, cache_dir, eod_mask_token, vocab_size=None):
     if any(n is None for n in num_samples):
         raise GPTDatasetError(f"a weighted blend needs a sample count for every split, got {num_samples!r}")
     normalized = blending.normalize(weights)
@@ -516,7 +547,8 @@ def _blended_datasets(prefixes, weights, split, seq_length, num_samples, seed, c
     for d, prefix in enumerate(prefixes):
         indexed = _open_indexed_dataset(prefix)
         sizes = [buffers[i][d] for i in range(3)]
-        components.append(_gpt_split_datasets(prefix, indexed, split, seq_length, sizes, seed, cache_dir, eod_mask_token))
+        components.append(_gpt_split_datasets(prefix, indexed, split, seq_length, sizes, seed, cache_dir, eod_mask_token,
+                                              vocab_size))
     blend_weights = blending.normalize(normalized)  # megatron-core normalizes again inside BlendedDataset
     out = []
     for i, name in enumerate(SPLIT_NAMES):

@@ -303,6 +303,34 @@ def _read_legacy_index(path: str) -> _Index:
     return index
 
 
+def check_index(index: _Index, prefix: str, bin_size: int) -> None:
+    """Refuse, at open, an index that does not describe its `.bin` (vectorised: fast on big corpora):
+    non-negative lengths, pointers that tile the `.bin` in order, document boundaries that rise from 0
+    to the number of sequences, and a `.bin` exactly as long as the index says."""
+    lengths, pointers = index.sequence_lengths.astype(np.int64), index.sequence_pointers
+    documents, itemsize = index.document_indices, index.dtype.itemsize
+    fix = "re-run `invoke preprocess` (or the preprocessing that wrote it)"
+    where = idx_path(prefix)
+    if len(lengths) and lengths.min() < 0:
+        raise UserError(f"{where} is damaged: sequence {int(np.argmax(lengths < 0))} has a negative length; {fix}")
+    expected = np.zeros(len(lengths), dtype=np.int64)
+    if len(lengths) > 1:
+        np.cumsum(lengths[:-1] * itemsize, out=expected[1:])
+    wrong = np.flatnonzero(pointers != expected)
+    if len(wrong):
+        i = int(wrong[0])
+        raise UserError(f"{where} is damaged: sequence {i} points at byte {int(pointers[i])}, its position in the "
+                        f".bin is byte {int(expected[i])}; {fix}")
+    if (len(documents) == 0 or documents[0] != 0 or documents[-1] != len(lengths)
+            or (len(documents) > 1 and np.diff(documents).min() < 0)):
+        raise UserError(f"{where} is damaged: its document boundaries do not rise from 0 to its {len(lengths)} "
+                        f"sequences; {fix}")
+    needed = int(lengths.sum()) * itemsize
+    if bin_size != needed:
+        what = "truncated" if bin_size < needed else "longer than its index says"
+        raise UserError(f"{bin_path(prefix)} is {what} ({bin_size} bytes, {where} describes {needed}); {fix}")
+
+
 def _dtype_of_code(code: int, path: str) -> np.dtype:
     if code not in DTYPE_CODES:
         raise UserError(f"{path} has unknown dtype code {code}; it was not written by Megatron")
@@ -335,6 +363,7 @@ class IndexedDataset:
         self.impl = impl
         path = idx_path(self.path_prefix)
         self._index = _read_mmap_index(path) if impl == "mmap" else _read_legacy_index(path)
+        check_index(self._index, self.path_prefix, os.path.getsize(bin_path(self.path_prefix)))
         self._file = None
         self._bin: Optional[np.ndarray] = None
         if impl == "lazy":

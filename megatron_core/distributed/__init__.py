@@ -7,6 +7,11 @@
         Without WORLD_SIZE (a plain `python -m`) it returns a single-process DistributedInfo and
         initializes nothing.
 
+    destroy_distributed()
+        At exit, also after an error: the model-parallel groups and the default process group, when
+        init_distributed created it (a group the caller made is the caller's). Without it NCCL warns
+        at exit and some versions hang.
+
     DistributedDataParallel(module, parallel, *, bucket_size=None, reduce_kind="all_reduce", grad_dtype=None)
         Wraps a GPTModel (at any DP size, as Megatron does: the wrapper owns the main_grad
         buffers gradients accumulate in); see grad_sync.py for the bucketed, overlapped reduction.
@@ -50,8 +55,12 @@ class DistributedInfo:
     device: torch.device
 
 
+_CREATED_PROCESS_GROUP = False  # init_distributed made the default group: destroy_distributed undoes it
+
+
 def init_distributed(backend: Optional[str] = None, timeout_minutes: float = 30.0) -> DistributedInfo:
     """Join the torchrun job described by the environment (see module docstring)."""
+    global _CREATED_PROCESS_GROUP
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -81,10 +90,22 @@ def init_distributed(backend: Optional[str] = None, timeout_minutes: float = 30.
     dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(minutes=timeout_minutes),
                             device_id=device if device.type == "cuda" else None)
+    _CREATED_PROCESS_GROUP = True
     if rank == 0:
         print(f"distributed: backend {backend}, world size {world_size}, "
               f"master {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
     return DistributedInfo(rank, world_size, local_rank, backend, device)
+
+
+def destroy_distributed() -> None:
+    """Undo init_distributed (see module docstring); a no-op when it created no process group."""
+    global _CREATED_PROCESS_GROUP
+    if not _CREATED_PROCESS_GROUP:
+        return
+    _CREATED_PROCESS_GROUP = False
+    ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _shared_embedding_parameters(module) -> list:
@@ -168,6 +189,7 @@ def finalize_model_grads(model) -> None:
 __all__ = [
     "DistributedDataParallel",
     "DistributedInfo",
+    "destroy_distributed",
     "finalize_model_grads",
     "init_distributed",
 ]

@@ -5,7 +5,7 @@ torch._amp_foreach_non_finite_check_and_unscale_) instead of a Python loop over 
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -60,30 +60,41 @@ def _all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
         dist.all_reduce(tensor, op=op, group=group)
 
 
-def global_grad_norm(grads: Sequence[torch.Tensor], groups: Iterable, device: Optional[torch.device] = None) -> float:
-    """L2 norm of `grads` (the ones counts_for_norm keeps), squared sums added over each group."""
-    device = grads[0].device if grads else (device or torch.device("cpu"))
+def global_grad_norm(grads: Sequence[torch.Tensor], groups: Iterable, device: torch.device,
+                     poison: bool = False) -> float:
+    """L2 norm of `grads` (the ones counts_for_norm keeps), squared sums added over each group.
+    `device` is where the collective's tensor lives (the training device: NCCL refuses a CPU tensor),
+    also on a rank that holds no gradient. `poison` (this rank's loss was not finite) makes the norm NaN
+    on every rank of the groups, so all of them skip the step together."""
     if grads:
         norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in flat_spans(grads)], 2)
         total = torch.stack(norms).square().sum()
     else:
         total = torch.zeros((), dtype=torch.float32, device=device)
+    if poison:
+        total = torch.full((), float("nan"), dtype=torch.float32, device=device)
     for group in groups:
         _all_reduce(total, group)
     return float(total.sqrt())
 
 
-def unscale_and_check_overflow(grads: Sequence[torch.Tensor], loss_scale: float, group,
-                               device: Optional[torch.device] = None) -> bool:
-    """Divide fp32 `grads` by the loss scale in place; True when any holds inf/NaN on any rank of
-    `group` (the ranks that must skip the step together)."""
-    device = grads[0].device if grads else (device or torch.device("cpu"))
+# What unscale_and_check_overflow's reduced flag holds: the MAX over ranks says which happened.
+OVERFLOW, NONFINITE_LOSS = 1.0, 2.0
+
+
+def unscale_and_check_overflow(grads: Sequence[torch.Tensor], loss_scale: float, group, device: torch.device,
+                               poison: bool = False) -> float:
+    """Divide fp32 `grads` by the loss scale in place. 0.0 when every rank of `group` (the ranks that
+    must skip the step together) holds finite grads; OVERFLOW when any holds inf/NaN; NONFINITE_LOSS when
+    any rank passed `poison` (its loss was not finite). `device`: as for global_grad_norm."""
     found_inf = torch.zeros((), dtype=torch.float32, device=device)
     if grads:
         inverse = torch.full((), 1.0 / loss_scale, dtype=torch.float32, device=device)
         torch._amp_foreach_non_finite_check_and_unscale_(list(grads), found_inf, inverse)
+    if poison:
+        found_inf.fill_(NONFINITE_LOSS)
     _all_reduce(found_inf, group, dist.ReduceOp.MAX)
-    return bool(found_inf.item() > 0)
+    return float(found_inf.item())
 
 
 def clip_by_norm_(grads: Sequence[torch.Tensor], grad_norm: float, max_norm: float) -> None:

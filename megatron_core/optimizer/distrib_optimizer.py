@@ -9,19 +9,20 @@ becomes the pieces' grads -> unscale, inf check and global-norm clip (norm summe
 the model-parallel group) -> Adam on the pieces -> each bucket's updated slice is all-gathered
 over DP into the model parameters.
 
-Interface: the MegatronOptimizer one (scale_loss, loss_scale, zero_grad, step() -> (ok,
-grad_norm, num_zeros), param_groups, state_dict/load_state_dict, load_param_state), plus for
-checkpoints:
+Interface: the MegatronOptimizer one (scale_loss, loss_scale, zero_grad, step(nonfinite_loss=False)
+-> (ok, grad_norm, num_zeros) with the same NaN guard, param_groups, state_dict/load_state_dict,
+load_param_state), plus for checkpoints:
 
     param_state() -> {name: {"start", "fp32_param", "exp_avg", "exp_avg_sq"}}: this DP rank's
-        pieces (flat, `start` = first element in the flattened parameter); not collective: each
-        DP rank writes its own file (distrib_optim_dp_XXX.pt), nothing is gathered.
+        pieces (flat, `start` = first element in the flattened parameter), host copies; not
+        collective: each DP rank writes its own file (distrib_optim_dp_XXX.pt), nothing is gathered.
     state_dict() / load_state_dict(): param-group hyperparameters, step and the loss scaler (what
         goes under "optimizer" in model_optim_rng.pt).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -30,12 +31,7 @@ import torch.distributed as dist
 
 from megatron_core import parallel_state as ps
 from megatron_core.distributed.grad_sync import Bucket, all_gather_into
-from megatron_core.optimizer.clip_grads import (
-    clip_by_norm_,
-    counts_for_norm,
-    global_grad_norm,
-    unscale_and_check_overflow,
-)
+from megatron_core.optimizer.clip_grads import clip_by_norm_, counts_for_norm, global_grad_norm
 from megatron_core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megatron_core.optimizer.optimizer import AdamSettings, FP32MasterOptimizer, build_adam, no_weight_decay
 
@@ -91,6 +87,7 @@ class DistributedOptimizer(FP32MasterOptimizer):
         if not groups:  # more DP ranks than elements: this rank owns only padding
             groups = [{"params": [torch.zeros(0, requires_grad=True)], "weight_decay": 0.0}]
         device = device or (self.model_params[0].device if self.model_params else torch.device("cpu"))
+        self.device = torch.device(device)  # where the norm, overflow and zero-count collectives run
         self.optimizer, inner = build_adam(groups, settings, device, fused_adam_cls)
         self.description = f"distributed optimizer (ZeRO-1 over DP {self.dp_size}) around {inner}"
         self._gather_buffers = {id(b): torch.empty(b.padded_numel, dtype=b.params[0].dtype, device=device)
@@ -108,7 +105,10 @@ class DistributedOptimizer(FP32MasterOptimizer):
         for piece in self.pieces:
             piece.master.grad = None
 
-    def step(self, count_zeros: bool = False) -> tuple[bool, Optional[float], Optional[int]]:
+    def step(self, count_zeros: bool = False, *, nonfinite_loss: bool = False
+             ) -> tuple[bool, Optional[float], Optional[int]]:
+        """As MegatronOptimizer.step (ok False: skipped; grad_norm None for an fp16 overflow, the
+        non-finite norm for the NaN guard)."""
         self.grad_sync.finish()  # no-op when the schedule already finished this iteration's sync
         grads = []
         for piece in self.pieces:
@@ -117,29 +117,24 @@ class DistributedOptimizer(FP32MasterOptimizer):
             shard = piece.bucket.grad_shard[piece.shard_start:piece.shard_start + piece.numel]
             piece.master.grad = shard if shard.dtype == torch.float32 else shard.float()  # fp16 buffers: fp32 master
             grads.append(piece.master.grad)
-        if self.precision == "fp16":
-            # Every rank of the world: each DP rank holds other pieces of the gradients.
-            world = dist.group.WORLD if dist.is_initialized() else None
-            found_inf = unscale_and_check_overflow(grads, self.loss_scale, world, self._device())
-            self.grad_scaler.update(found_inf)
-            if found_inf:
-                return False, None, None
-        elif self.loss_scale != 1.0 and grads:
-            torch._foreach_mul_(grads, 1.0 / self.loss_scale)
+        # fp16's overflow flag over every rank of the world: each DP rank holds other pieces of the gradients.
+        skipped = self._guard(grads, dist.group.WORLD if dist.is_initialized() else None, nonfinite_loss)
+        if skipped is not None:
+            return skipped[0], skipped[1], None
         grad_norm = global_grad_norm([p.master.grad for p in self.pieces if counts_for_norm(p.param)],
-                                     [self.dp_group, ps.get_model_parallel_group()], self._device())
+                                     [self.dp_group, ps.get_model_parallel_group()], self.device,
+                                     poison=nonfinite_loss)
+        if not math.isfinite(grad_norm):  # the NaN guard: the same verdict on every rank
+            return False, grad_norm, None
         clip_by_norm_(grads, grad_norm, self.clip_grad)
         num_zeros = None
         if count_zeros:
-            zeros = torch.tensor(float(sum(int((g == 0).sum()) for g in grads)), device=self._device())
+            zeros = torch.tensor(float(sum(int((g == 0).sum()) for g in grads)), device=self.device)
             _all_reduce(zeros, self.dp_group)
             num_zeros = int(zeros.item())
         self.optimizer.step()
         self._all_gather_params()
         return True, grad_norm, num_zeros
-
-    def _device(self) -> torch.device:
-        return self.model_params[0].device if self.model_params else torch.device("cpu")
 
     @torch.no_grad()
     def _all_gather_params(self) -> None:

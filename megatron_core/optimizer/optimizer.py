@@ -3,20 +3,24 @@
 The interface the training loop talks to (the distributed optimizer implements the same one):
 
     scale_loss(loss) -> loss * loss_scale      loss_scale -> float (1.0 unless fp16)
-    zero_grad()                                step() -> (ok, grad_norm, num_zeros)
+    zero_grad()                                step(nonfinite_loss=False) -> (ok, grad_norm, num_zeros)
     param_groups (the lr scheduler writes 'lr') state_dict() / load_state_dict(state)
     load_param_state({name: {fp32_param, exp_avg, exp_avg_sq}}, step): whole tensors of this rank's
         parameters by model state-dict name (what a resume under any layout hands back)
 
 `step()` copies model grads into fp32 master grads, unscales them, skips the update when fp16
-grads overflowed (ok=False; the loss scaler backs off), clips by the global L2 norm, runs the
-inner Adam on the fp32 master weights and copies them back into the (fp16/bf16) model params.
+grads overflowed (ok=False, grad_norm None; the loss scaler backs off), clips by the global L2 norm,
+runs the inner Adam on the fp32 master weights and copies them back into the (fp16/bf16) model params.
+The NaN guard (Megatron's check_for_nan_in_loss_and_grad), in every precision: a non-finite gradient
+norm, or `nonfinite_loss` passed by any rank, skips the update on every rank (ok=False, grad_norm the
+non-finite value), so no weight ever takes a NaN/inf step. Counting those steps is the loop's job.
 The norm is reduced over the model-parallel group and counts each weight once per replica
 (clip_grads.counts_for_norm, the rule the distributed optimizer uses too).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -25,6 +29,7 @@ import torch
 from megatron_core import parallel_state
 from megatron_core.distributed.grad_sync import gradient
 from megatron_core.optimizer.clip_grads import (
+    NONFINITE_LOSS,
     clip_by_norm_,
     counts_for_norm,
     global_grad_norm,
@@ -59,12 +64,12 @@ class AdamSettings:
 
 
 def build_adam(groups: list[dict], settings: AdamSettings, device: torch.device, fused_adam_cls=None):
-    """(inner optimizer, description). Apex FusedAdam (decoupled wd) when given and on CUDA, else
-    torch AdamW fused (one kernel over all tensors) on CUDA and on a CPU too: on a CPU, 88M fp32
-    params take ~60 ms a step fused against 150-430 ms with foreach."""
+    """(inner optimizer, description). Apex FusedAdam (decoupled wd) when given (the caller checked it runs
+    on this device: `training.optimizer: apex`), else torch AdamW fused (one kernel over all tensors) on
+    CUDA and on a CPU too: on a CPU, 88M fp32 params take ~60 ms a step fused against 150-430 ms with foreach."""
     kwargs = dict(lr=settings.lr, betas=(settings.beta1, settings.beta2), eps=settings.eps,
                   weight_decay=settings.weight_decay)
-    if device.type == "cuda" and fused_adam_cls is not None:
+    if fused_adam_cls is not None:
         return fused_adam_cls(groups, adam_w_mode=True, **kwargs), "apex.optimizers.FusedAdam (adam_w_mode)"
     return torch.optim.AdamW(groups, fused=True, **kwargs), "torch.optim.AdamW(fused=True)"
 
@@ -143,11 +148,31 @@ class FP32MasterOptimizer:
             group["step"] = step
 
     def _adam_state(self, master: torch.Tensor, with_master: bool = True) -> dict[str, torch.Tensor]:
+        """Host copies of one master's fp32 value and Adam moments: a save never allocates on the GPU
+        (a clone there would cost 12 bytes/param at every save), and training may go on changing the
+        live tensors while the copies are written."""
         state = self.optimizer.state.get(master, {})
-        out = {"fp32_param": master.detach().clone()} if with_master else {}
+        out = {"fp32_param": _host_copy(master)} if with_master else {}
         for key in ADAM_STATE_KEYS:
-            out[key] = state[key].detach().clone() if key in state else torch.zeros_like(master)
+            out[key] = _host_copy(state[key]) if key in state else torch.zeros(master.shape, dtype=torch.float32)
         return out
+
+    def _guard(self, grads: list[torch.Tensor], group, nonfinite_loss: bool) -> Optional[tuple[bool, Optional[float]]]:
+        """Unscale `grads`; (False, norm) when the step must be skipped (see step()), else None."""
+        if self.precision == "fp16":
+            found = unscale_and_check_overflow(grads, self.loss_scale, group, self.device, poison=nonfinite_loss)
+            self.grad_scaler.update(found > 0)
+            if found == NONFINITE_LOSS:
+                return False, float("nan")
+            if found:
+                return False, None
+        elif self.loss_scale != 1.0 and grads:
+            torch._foreach_mul_(grads, 1.0 / self.loss_scale)
+        return None
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu", copy=True)
 
 
 class MegatronOptimizer(FP32MasterOptimizer):
@@ -163,6 +188,7 @@ class MegatronOptimizer(FP32MasterOptimizer):
         self.names = [n for n, _ in named]
         self.model_params = [p for _, p in named]
         device = device or (self.model_params[0].device if self.model_params else torch.device("cpu"))
+        self.device = torch.device(device)  # where the norm and overflow collectives run
         # fp32 master copies of half-precision params; fp32 params are their own master.
         if precision == "fp32":
             self.master_params = self.model_params
@@ -193,30 +219,35 @@ class MegatronOptimizer(FP32MasterOptimizer):
             for m in self.master_params:
                 m.grad = None
 
-    def step(self, count_zeros: bool = False) -> tuple[bool, Optional[float], Optional[int]]:
-        """(ok, grad_norm, num_zeros): ok is False when the step was skipped for inf/NaN grads."""
+    def step(self, count_zeros: bool = False, *, nonfinite_loss: bool = False
+             ) -> tuple[bool, Optional[float], Optional[int]]:
+        """(ok, grad_norm, num_zeros). ok is False when the step was skipped, the same on every rank:
+        grad_norm None for an fp16 overflow (the loss scaler backed off), the non-finite norm for the
+        NaN guard (a non-finite gradient norm, or `nonfinite_loss` on any rank)."""
         pairs = self._master_grads()
         grads = [g for _, g in pairs]
         group = parallel_state.get_model_parallel_group()  # DP replicas hold the same reduced grads
-        if self.precision == "fp16":
-            found_inf = unscale_and_check_overflow(grads, self.loss_scale, group)
-            self.grad_scaler.update(found_inf)
-            if found_inf:
-                return False, None, None
-        elif self.loss_scale != 1.0:
-            torch._foreach_mul_(grads, 1.0 / self.loss_scale)
-        grad_norm = global_grad_norm([g for p, g in pairs if counts_for_norm(p)], [group])
-        clip_by_norm_(grads, grad_norm, self.clip_grad)
-        num_zeros = sum(int((g == 0).sum()) for g in grads) if count_zeros else None
-        self.optimizer.step()
-        if self.master_params is not self.model_params:
-            with torch.no_grad():
-                torch._foreach_copy_(self.model_params, self.master_params)
-        else:  # an fp32 param's .grad is its main_grad view: drop it, or the next backward would add into it
-            for p, _ in pairs:
-                if getattr(p, "main_grad", None) is not None:
-                    p.grad = None
-        return True, grad_norm, num_zeros
+        try:
+            skipped = self._guard(grads, group, nonfinite_loss)
+            if skipped is not None:
+                return skipped[0], skipped[1], None
+            grad_norm = global_grad_norm([g for p, g in pairs if counts_for_norm(p)], [group], self.device,
+                                         poison=nonfinite_loss)
+            if not math.isfinite(grad_norm):
+                return False, grad_norm, None
+            clip_by_norm_(grads, grad_norm, self.clip_grad)
+            num_zeros = sum(int((g == 0).sum()) for g in grads) if count_zeros else None
+            self.optimizer.step()
+            if self.master_params is not self.model_params:
+                with torch.no_grad():
+                    torch._foreach_copy_(self.model_params, self.master_params)
+            return True, grad_norm, num_zeros
+        finally:
+            if self.master_params is self.model_params:
+                # an fp32 param's .grad is its main_grad view: drop it, or the next backward would add into it
+                for p, _ in pairs:
+                    if getattr(p, "main_grad", None) is not None:
+                        p.grad = None
 
     def _master_grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(model param, its master's fp32 grad) for every param that got a gradient. Under a

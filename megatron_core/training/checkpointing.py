@@ -13,11 +13,12 @@ tensors (the merge rules convert uses) and keeps its own slice (`load_latest`).
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import re
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -34,6 +35,7 @@ from megatron_core.checkpoint_format import (  # noqa: F401 - re-exported: the n
     TRACKER_FILENAME,
     CheckpointError,
     atomic_write_text,
+    check_complete,
     check_rank_files,
     checkpoint_file,
     distrib_optim_filename,
@@ -47,8 +49,10 @@ from megatron_core.checkpoint_format import (  # noqa: F401 - re-exported: the n
     model_entries,
     nest_model_state,
     publish_iteration,
+    published_iterations,
     rank_dirname,
     read_tracker,
+    read_tracker_leniently,
     split_chunked_state,
     staging_dir,
     tokenizer_copies,
@@ -73,33 +77,52 @@ def _barrier() -> None:
 
 
 def get_rng_state() -> dict:
+    """Every generator a run draws from. The tracker's device type is the training device's (seeded
+    by seed_everything): the CUDA generator is saved only when training on CUDA, so a CPU run on a
+    GPU host never opens a CUDA context here."""
     from megatron_core.tensor_parallel.random import get_rng_tracker
 
+    tracker = get_rng_tracker()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "random_rng_state": random.getstate(),
         "np_rng_state": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
                          "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
         "torch_rng_state": torch.get_rng_state(),
-        "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-        "rng_tracker_states": get_rng_tracker().get_states(),
+        "cuda_rng_state": torch.cuda.get_rng_state() if tracker.device_type == "cuda" else None,
+        "rng_tracker_states": tracker.get_states(),
+        "rng_tracker_device": tracker.device_type,  # whose generator the tracker states belong to
     }
     return state
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict) -> Optional[str]:
+    """Restore the generators saved by get_rng_state. The tracker states are handed over only when
+    they belong to this run's generator; otherwise the tracker keeps its states from the seed and
+    the reason comes back, for the log (None when everything was restored)."""
     from megatron_core.tensor_parallel.random import get_rng_tracker
 
+    tracker = get_rng_tracker()
     version, internal, gauss = state["random_rng_state"]
     random.setstate((version, tuple(internal), gauss))
     np_state = state["np_rng_state"]
     np.random.set_state((np_state["kind"], np_state["keys"].numpy().astype(np.uint32), np_state["pos"],
                          np_state["has_gauss"], np_state["cached_gaussian"]))
     torch.set_rng_state(state["torch_rng_state"])
-    if state.get("cuda_rng_state") is not None and torch.cuda.is_available():
+    if state.get("cuda_rng_state") is not None and tracker.device_type == "cuda":
         torch.cuda.set_rng_state(state["cuda_rng_state"])
-    if state.get("rng_tracker_states"):
-        get_rng_tracker().set_states(state["rng_tracker_states"])
+    states = state.get("rng_tracker_states")
+    if not states:  # none saved, or dropped on purpose (a TP change, logged by the caller)
+        return None
+    # Checkpoints before rng_tracker_device: only the state sizes tell the generator apart.
+    saved = state.get("rng_tracker_device")
+    why = (f"they were saved for the {saved} generator and this run trains on {tracker.device_type}"
+           if saved not in (None, tracker.device_type) else tracker.misfit(states))
+    if why is not None:
+        return (f"checkpoint: the dropout RNG tracker states are not restored ({why}): they restart from the "
+                "seed, so dropout inside tensor-parallel regions draws new masks (exact only without dropout)")
+    tracker.set_states(states)
+    return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -201,7 +224,29 @@ def _publish(save: Path, iteration: int, recipe, tokenizer_files) -> None:
     if tokenizer_files:
         write_tokenizer_files(save, *tokenizer_files)
     atomic_write_text(save / RECIPE_FILENAME, recipe.to_yaml())
-    publish_iteration(save, iteration)
+    publish_iteration(save, iteration, keep_last=recipe.training.keep_last_checkpoints)
+
+
+def check_can_save(run_dir: Path, save: Path, *, parameters: int, bytes_per_parameter: int) -> None:
+    """Fail fast, before the first iteration: the run and save directories must be writable and the
+    save directory's disk must hold one more checkpoint (`parameters` x `bytes_per_parameter`, weights
+    plus optimizer state, as the rank files hold them)."""
+    from megatron_core.errors import UserError
+
+    for what, where in (("run directory", Path(run_dir)), ("checkpoint directory", Path(save))):
+        try:
+            where.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"cannot create the {what} {where}: {exc.strerror or exc}; choose a writable path "
+                            "(--run-dir / --save)") from None
+        if not os.access(where, os.W_OK | os.X_OK):
+            raise UserError(f"the {what} {where} is not writable; fix its permissions or choose another "
+                            "(--run-dir / --save)")
+    needed, free = parameters * bytes_per_parameter, shutil.disk_usage(save).free
+    if free < needed:
+        raise UserError(f"{save} has {free / 2**30:.2f} GiB free but one checkpoint needs about "
+                        f"{needed / 2**30:.2f} GiB ({parameters:,} parameters x {bytes_per_parameter} bytes); "
+                        "free space or --save elsewhere")
 
 
 def check_recipe_compatible(recipe, saved_recipe: dict, saved_hash: str, where: Path) -> list[str]:
@@ -225,17 +270,84 @@ def check_recipe_compatible(recipe, saved_recipe: dict, saved_hash: str, where: 
     return changed
 
 
-def load_latest(load, *, required: bool = False) -> Optional[tuple[int, dict]]:
-    """(iteration, this rank's checkpoint dict) of the latest checkpoint under `load`, or None; see
-    `load_for_this_rank` for what the dict holds when the checkpoint was written under another layout."""
+def load_latest(load, *, required: bool = False, fallback: bool = True, from_scratch: bool = False,
+                log: Optional[Callable[[str], None]] = None) -> Optional[tuple[int, dict]]:
+    """(iteration, this rank's checkpoint dict) of the latest checkpoint under `load` that verifies,
+    or None; see `load_for_this_rank` for what the dict holds when the checkpoint was written under
+    another layout. Collective. The tracker names the latest; without a usable tracker the newest
+    complete iteration directory is taken. A checkpoint that fails verification or cannot be read is
+    logged and the next older one tried (`fallback=False` refuses instead). Iteration directories
+    that none load raise, unless `from_scratch` (which ignores every checkpoint there)."""
     load = Path(load)
-    iteration = read_tracker(load)
-    _check_every_rank_found(iteration, load)
-    if iteration is None:
+    say = log or (lambda line: None)
+    try:
+        raw = read_tracker(load)
+    except CheckpointError:
+        raw = "unreadable"
+    _check_every_rank_found(raw, load)
+    tracked, problem = read_tracker_leniently(load)
+    iterations = published_iterations(load)
+    if from_scratch:
+        if iterations or raw is not None:
+            say(f"--from-scratch: ignoring the checkpoints in {load}; training starts from iteration 0 and "
+                "its saves replace them")
+        return None
+    if tracked == RELEASE:
+        candidates = [(RELEASE, iteration_dir(load, RELEASE))]
+    elif tracked is not None:
+        candidates = [(n, where) for n, where in iterations.items() if n <= tracked]
+    else:
+        candidates = list(iterations.items())
+        if not candidates and iteration_dir(load, RELEASE).is_dir():
+            candidates = [(RELEASE, iteration_dir(load, RELEASE))]
+        if candidates:
+            why = problem or f"no {TRACKER_FILENAME} in {load}"
+            say(f"{why}: resuming from the newest complete iteration directory that verifies")
+    if not candidates:
+        if problem:
+            say(f"{problem}, and no iteration directory is there: starting from scratch")
         if required:
             raise CheckpointError(f"no checkpoint under {load} (no {TRACKER_FILENAME}); check --load")
         return None
-    return iteration, load_for_this_rank(iteration_dir(load, iteration))
+    failed: list[str] = []
+    first_error = None  # the newest iteration's reason: what the user must fix when none loads
+    for iteration, where in candidates:
+        error, state = None, None
+        try:
+            check_complete(where)
+            state = load_for_this_rank(where)
+        except CheckpointError as exc:
+            error = str(exc)
+        if _on_every_rank(error is None, iteration, load):
+            if failed:
+                say(f"falling back to {where} (iteration {iteration}): {', '.join(failed)} failed verification")
+            return iteration, state
+        error = error or "another rank could not read its files"
+        say(f"checkpoint {where} cannot be used: {error}")
+        failed.append(where.name)
+        first_error = first_error or error
+        if not fallback:
+            raise CheckpointError(f"checkpoint {where} fails verification or cannot be read (see the log) and "
+                                  "--no-fallback was given: repair or remove it, or drop --no-fallback to resume "
+                                  "from the newest older iteration that verifies")
+    raise CheckpointError(f"{load} holds iteration directories but none loads ({', '.join(failed)}); the newest: "
+                          f"{first_error}. Copy a good checkpoint there, --load another directory, or pass "
+                          "--from-scratch to start over (its saves replace them)")
+
+
+def _on_every_rank(ok: bool, iteration, load: Path) -> bool:
+    """True when every rank loaded `iteration`; ranks that tried different iterations are stopped."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return ok
+    code = -2 if iteration == RELEASE else int(iteration)
+    device = parallel_state.get_collective_device()
+    found = torch.tensor([int(ok), code, -code], dtype=torch.int64, device=device)
+    dist.all_reduce(found, op=dist.ReduceOp.MIN)
+    if int(found[1]) != -int(found[2]):
+        raise CheckpointError(f"the ranks tried different checkpoints under {load} (iterations {int(found[1])} to "
+                              f"{-int(found[2])}): on nodes without a shared filesystem copy every node's "
+                              "checkpoint files into one directory and resume from it (--load DIR)")
+    return bool(found[0])
 
 
 def _check_every_rank_found(iteration, load: Path) -> None:
@@ -244,14 +356,14 @@ def _check_every_rank_found(iteration, load: Path) -> None:
     elsewhere. Collective."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
-    code = -1 if iteration is None else (-2 if iteration == RELEASE else int(iteration))
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    code = {None: -1, RELEASE: -2, "unreadable": -3}.get(iteration, iteration)
+    device = parallel_state.get_collective_device()
     found = torch.tensor([code, -code], dtype=torch.int64, device=device)
     dist.all_reduce(found, op=dist.ReduceOp.MAX)
     highest, lowest = int(found[0]), -int(found[1])
     if highest != lowest:
         def name(c):
-            return {-1: "none", -2: RELEASE}.get(c, str(c))
+            return {-1: "none", -2: RELEASE, -3: "an unreadable tracker"}.get(c, str(c))
         raise CheckpointError(f"the ranks found different latest checkpoints under {load} (from {name(lowest)} to "
                               f"{name(highest)}): on nodes without a shared filesystem copy every node's checkpoint "
                               "files into one directory and resume from it (--load DIR)")

@@ -16,6 +16,7 @@ from typing import Optional
 
 METRICS_FILENAME = "metrics.jsonl"
 LOSS_CURVE_FILENAME = "loss_curve.png"
+SUMMARY_FILENAME = "summary.json"
 
 
 def log(message: str) -> None:
@@ -23,14 +24,16 @@ def log(message: str) -> None:
 
 
 def megatron_train_line(*, iteration: int, train_iters: int, consumed_samples: int, elapsed_ms: float,
-                        tflops: float, lr: float, global_batch_size: int, lm_loss: float, loss_scale: float,
+                        tflops: float, lr: float, global_batch_size: int, lm_loss: Optional[float], loss_scale: float,
                         grad_norm: Optional[float], skipped: int, nan: int, extra: str = "") -> str:
-    """Megatron's training_log line (docs/metrics-and-flops.md), one line."""
+    """Megatron's training_log line (docs/metrics-and-flops.md), one line. `lm loss` is left out when no
+    iteration of the interval stepped (lm_loss None), as Megatron does; `grad norm` when there is none."""
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    loss = f" lm loss: {lm_loss:.6E} |" if lm_loss is not None else ""
     norm = f" grad norm: {grad_norm:.3f} |" if grad_norm is not None else ""
     return (f" [{stamp}] iteration {iteration:8d}/{train_iters:8d} | consumed samples: {consumed_samples:12d} |"
             f" elapsed time per iteration (ms): {elapsed_ms:.1f} | throughput per GPU (TFLOP/s/GPU): {tflops:.1f} |"
-            f" learning rate: {lr:.6E} | global batch size: {global_batch_size:5d} | lm loss: {lm_loss:.6E} |"
+            f" learning rate: {lr:.6E} | global batch size: {global_batch_size:5d} |{loss}"
             f" loss scale: {loss_scale:.1f} |{norm} number of skipped iterations: {skipped:3d} |"
             f" number of nan iterations: {nan:3d} |{extra}")
 
@@ -41,7 +44,25 @@ def megatron_eval_line(kind: str, iteration: int, loss: float, ppl: float) -> st
 
 
 def perplexity(loss: float) -> float:
-    return math.exp(min(20.0, loss))  # Megatron caps the exponent at 20
+    """Megatron caps the exponent at 20; a NaN/inf loss has no perplexity (NaN), never the cap's."""
+    return math.exp(min(20.0, loss)) if math.isfinite(loss) else float("nan")
+
+
+def finite_or_none(value):
+    """A float that JSON can hold: NaN and +-inf become None (null)."""
+    return value if not isinstance(value, float) or math.isfinite(value) else None
+
+
+def strict_json(record: dict) -> str:
+    """One JSON object that strict parsers accept: non-finite floats (top level and nested) as null."""
+    def clean(value):
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [clean(v) for v in value]
+        return finite_or_none(value)
+
+    return json.dumps(clean(record), allow_nan=False)
 
 
 class RunLogger:
@@ -73,7 +94,7 @@ class RunLogger:
 
     def _append(self, record: dict) -> None:
         with open(self.metrics_path, "a") as handle:
-            handle.write(json.dumps(record) + "\n")
+            handle.write(strict_json(record) + "\n")
 
     def train(self, record: dict, line: str) -> None:
         if not self.writer:
@@ -83,18 +104,19 @@ class RunLogger:
         if self._tb is not None:
             it = record["iteration"]
             for key in ("lm_loss", "lr", "grad_norm", "loss_scale", "tokens_per_s", "tflops", "mfu"):
-                if record.get(key) is not None:
+                if finite_or_none(record.get(key)) is not None:
                     self._tb.add_scalar(f"train/{key}", record[key], it)
             self._tb.flush()
 
     def evaluation(self, kind: str, iteration: int, loss: float) -> dict:
+        """The eval line (a NaN loss prints as nan, with a nan PPL) and its record (null for non-finite)."""
         ppl = perplexity(loss)
-        record = {"type": kind, "iteration": iteration, "lm_loss": loss, "ppl": ppl}
+        record = {"type": kind, "iteration": iteration, "lm_loss": finite_or_none(loss), "ppl": finite_or_none(ppl)}
         if self.writer:
             bar = "-" * 100
             log(f"{bar}\n{megatron_eval_line(kind, iteration, loss, ppl)}\n{bar}")
             self._append(record)
-            if self._tb is not None:
+            if self._tb is not None and record["lm_loss"] is not None:
                 self._tb.add_scalar(f"{kind}/lm_loss", loss, iteration)
                 self._tb.add_scalar(f"{kind}/ppl", ppl, iteration)
                 self._tb.flush()
@@ -104,6 +126,15 @@ class RunLogger:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+def write_summary(run_dir: Path, summary: dict) -> Path:
+    """RUN_DIR/summary.json (strict JSON, atomically): what `summary:` prints at the end of a run."""
+    path = Path(run_dir) / SUMMARY_FILENAME
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(strict_json(summary) + "\n")
+    os.replace(tmp, path)
+    return path
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -116,8 +147,9 @@ def read_metrics(run_dir: Path) -> list[dict]:
 def write_loss_curve(run_dir: Path, title: str = "") -> Optional[Path]:
     """loss_curve.png from metrics.jsonl (train and valid lm loss against iteration)."""
     records = read_metrics(run_dir)
-    train = [(r["iteration"], r["lm_loss"]) for r in records if r["type"] == "train"]
-    valid = [(r["iteration"], r["lm_loss"]) for r in records if r["type"] == "valid"]
+    # null: no iteration of that interval stepped (or a non-finite evaluation): no point to draw
+    train = [(r["iteration"], r["lm_loss"]) for r in records if r["type"] == "train" and r["lm_loss"] is not None]
+    valid = [(r["iteration"], r["lm_loss"]) for r in records if r["type"] == "valid" and r["lm_loss"] is not None]
     if not train and not valid:
         return None
     import matplotlib

@@ -19,10 +19,18 @@ from typing import Optional
 import torch
 
 from megatron_core import parallel_state as ps
+from megatron_core.errors import UserError
 from megatron_core.training import checkpointing as ckpt
 from megatron_core.training import flops as flops_lib
 from megatron_core.training.data_iterators import batch_iterator
-from megatron_core.training.logging import RunLogger, megatron_train_line, write_loss_curve
+from megatron_core.training.logging import (
+    RunLogger,
+    finite_or_none,
+    megatron_train_line,
+    strict_json,
+    write_loss_curve,
+    write_summary,
+)
 from megatron_core.training.lr_schedule import OptimizerParamScheduler
 
 
@@ -48,8 +56,9 @@ def gpt_forward_step(data_iterator, model):
 class TrainState:
     iteration: int = 0
     consumed_train_samples: int = 0
-    skipped_iterations: int = 0
-    nan_iterations: int = 0
+    skipped_iterations: int = 0  # every iteration whose update was skipped (fp16 overflow or the NaN guard)
+    nan_iterations: int = 0  # those skipped by the NaN guard: a non-finite loss or grad norm
+    consecutive_nan: int = 0  # NaN-guard skips in a row (training.max_consecutive_nan_steps stops the run)
     # Since the last log line (Megatron averages the loss over the log interval).
     interval_start: float = 0.0
     interval_iterations: int = 0
@@ -59,12 +68,16 @@ class StopRequested(Exception):
     pass
 
 
+class NonFiniteTrainingError(UserError):
+    """The run diverged: too many NaN/inf iterations in a row, or non-finite weights at a save."""
+
+
 class Trainer:
     def __init__(self, recipe, model: torch.nn.Module, datasets, padded_vocab_size: int, run_dir: Path, *,
                  optimizer, device: torch.device, save: Optional[Path], load: Optional[Path],
                  save_optim: bool = True, params_dtype: str = "float32", logger: Optional[RunLogger] = None,
                  forward_backward_func=None, device_name: str = "cpu", precision: str = "fp32",
-                 tokenizer_files=None) -> None:
+                 tokenizer_files=None, resume_fallback: bool = True, from_scratch: bool = False) -> None:
         from megatron_core.pipeline_parallel import get_forward_backward_func
 
         self.recipe, self.model, self.device = recipe, model, device
@@ -75,6 +88,8 @@ class Trainer:
         self.save_dir, self.load_dir = (Path(save) if save else None), (Path(load) if load else None)
         self.save_optim, self.params_dtype, self.precision = save_optim, params_dtype, precision
         self.tokenizer_files = tokenizer_files  # (vocab, merges) copied into every checkpoint directory
+        # --no-fallback / --from-scratch (checkpointing.load_latest)
+        self.resume_fallback, self.from_scratch = resume_fallback, from_scratch
         self.logger = logger or RunLogger(self.run_dir, writer=_is_log_writer())
         self.forward_backward = forward_backward_func or get_forward_backward_func()
         t = recipe.training
@@ -93,9 +108,12 @@ class Trainer:
     def maybe_resume(self) -> None:
         if self.load_dir is None:
             return
-        found = ckpt.load_latest(self.load_dir)
+        found = ckpt.load_latest(self.load_dir, fallback=self.resume_fallback, from_scratch=self.from_scratch,
+                                 log=self.logger.info)
         if found is None:
             self.logger.info(f"no checkpoint in {self.load_dir}: starting from scratch")
+            if self.from_scratch:
+                self.logger.truncate_after(0)  # the old run's metrics would read as this run's
             return
         iteration, state = found
         if iteration == ckpt.RELEASE or "recipe" not in state:
@@ -123,7 +141,9 @@ class Trainer:
                              "is not an exact continuation")
             self.scheduler.num_steps = int(state["consumed_train_samples"])
             self.scheduler.step(0)
-        ckpt.set_rng_state(state["rng_state"][0])
+        rng_note = ckpt.set_rng_state(state["rng_state"][0])  # e.g. resumed on another device
+        if rng_note:
+            self.logger.info(rng_note)
         self.state.iteration = iteration
         self.state.consumed_train_samples = int(state["consumed_train_samples"])
         counters = state.get("train_counters", {})
@@ -178,6 +198,12 @@ class Trainer:
         if self.save_dir is None:
             return None
         s = self.state
+        bad = self._first_nonfinite_weight()
+        if _any_rank(bad is not None):  # every rank refuses together: no rank writes a part of it
+            where = f" ({bad})" if bad else " (on another rank)"
+            raise NonFiniteTrainingError(
+                f"iteration {s.iteration}: the weights hold NaN/inf values{where}; no checkpoint is saved from "
+                f"them, {self.save_dir} keeps its last good one: lower training.lr and resume from it")
         args = ckpt.megatron_args(self.recipe, self.padded_vocab_size, iteration=s.iteration,
                                   consumed_train_samples=s.consumed_train_samples, params_dtype=self.params_dtype)
         start = time.time()
@@ -191,6 +217,21 @@ class Trainer:
         self.logger.info(f"saved checkpoint at iteration {s.iteration:7d} to {path} "
                          f"({time.time() - start:.2f} s)")
         return path
+
+    @torch.no_grad()
+    def _first_nonfinite_weight(self) -> Optional[str]:
+        """The name of this rank's first model weight or fp32 master holding a NaN/inf, else None."""
+        named = list(self._unwrapped().named_parameters())
+        masters = [p for g in self.optimizer.param_groups for p in g["params"]]
+        tensors = [p for _, p in named] + masters
+        if not tensors:
+            return None
+        # one device sync (the distributed optimizer's placeholder group of a rank that owns nothing is on the CPU)
+        finite = torch.stack([t.isfinite().all().to(self.device) for t in tensors]).tolist()
+        if all(finite):
+            return None
+        index = finite.index(False)
+        return named[index][0] if index < len(named) else "an fp32 master weight"
 
     # -- signals -------------------------------------------------------------------------------
     def _install_signal_handlers(self):
@@ -234,7 +275,11 @@ class Trainer:
         return (iteration // t.eval_interval - 1) * t.eval_iters * t.global_batch_size if iteration >= t.eval_interval else 0
 
     # -- one iteration -------------------------------------------------------------------------
-    def train_step(self, data_iterator) -> tuple[float, bool, Optional[float]]:
+    def train_step(self, data_iterator) -> tuple[Optional[float], bool, Optional[float]]:
+        """(loss averaged over micro batches and DP, None on ranks that hold no loss (not the last
+        pipeline stage); ok; grad norm). ok False: the optimizer skipped the update, on every rank alike:
+        grad norm None for an fp16 overflow, non-finite for the NaN guard (a non-finite loss on any rank,
+        or a non-finite gradient norm)."""
         t = self.recipe.training
         zero_grad_buffer = getattr(self.model, "zero_grad_buffer", None)
         if zero_grad_buffer is not None:  # gradients accumulate in the wrapper's main_grad buffers
@@ -243,15 +288,18 @@ class Trainer:
         losses = self.forward_backward(gpt_forward_step, data_iterator, self.model, self.num_micro_batches,
                                        seq_length=self.recipe.model.seq_length, micro_batch_size=t.micro_batch_size,
                                        forward_only=False, loss_scale=self.optimizer.loss_scale)
-        ok, grad_norm, _ = self.optimizer.step()
+        loss = _average_over_dp(sum(float(d["lm loss"]) for d in losses) / len(losses)) if losses else None
+        ok, grad_norm, _ = self.optimizer.step(nonfinite_loss=loss is not None and not math.isfinite(loss))
         if ok:
             self.scheduler.step_iteration()
-        loss = sum(float(d["lm loss"]) for d in losses) / len(losses) if losses else float("nan")
-        return _average_over_dp(loss) if losses else loss, ok, grad_norm
+        return loss, ok, grad_norm
 
-    def _log_interval(self, lr: float, grad_norm: Optional[float], loss: float, skipped_now: int,
+    def _log_interval(self, lr: float, grad_norm: Optional[float], loss: Optional[float], skipped_now: int,
                       nan_now: int, data_wait_s: float = 0.0) -> None:
+        """loss: the mean over the interval's iterations that stepped, None when none did; grad_norm:
+        the last iteration's, None when it was skipped (the NaN guard's non-finite norm is not a value)."""
         t, s = self.recipe.training, self.state
+        grad_norm = finite_or_none(grad_norm)
         elapsed = time.time() - s.interval_start
         per_iter = elapsed / max(s.interval_iterations, 1)
         tflops = flops_lib.tflops_per_device(self.flops_per_iteration, per_iter, max(self.recipe.parallel.world_size, 1))
@@ -289,27 +337,41 @@ class Trainer:
             self.model.train()
             s.interval_start, s.interval_iterations = time.time(), 0
             skipped_since, nan_since, losses_since = 0, 0, []
+            last_update = s.iteration  # the last iteration that updated the weights
             waited_before = 0.0  # the batch generator's wait at the last log line
             while s.iteration < t.train_iters:
                 loss, ok, grad_norm = self.train_step(data_iterator)
                 s.iteration += 1
                 s.interval_iterations += 1
                 s.consumed_train_samples += t.global_batch_size
-                if not ok:
+                # Every rank takes the same branch: ok and grad_norm are the optimizer's reduced verdict.
+                if ok:
+                    s.consecutive_nan, last_update = 0, s.iteration
+                    if loss is not None:
+                        losses_since.append(loss)
+                else:
                     s.skipped_iterations += 1
                     skipped_since += 1
-                elif not math.isfinite(loss):
-                    s.nan_iterations += 1
-                    nan_since += 1
-                else:
-                    losses_since.append(loss)
-                if s.iteration % t.log_interval == 0:
-                    mean_loss = sum(losses_since) / len(losses_since) if losses_since else float("nan")
+                    if grad_norm is not None:  # the NaN guard (None: an fp16 overflow, the scaler's business)
+                        s.nan_iterations += 1
+                        nan_since += 1
+                        s.consecutive_nan += 1
+                diverged = s.consecutive_nan >= t.max_consecutive_nan_steps
+                if s.iteration % t.log_interval == 0 or diverged:
+                    mean_loss = sum(losses_since) / len(losses_since) if losses_since else None
                     self._log_interval(self.optimizer.param_groups[0]["lr"], grad_norm, mean_loss,
                                        skipped_since, nan_since, data_iterator.wait_seconds - waited_before)
                     waited_before = data_iterator.wait_seconds
                     s.interval_start, s.interval_iterations = time.time(), 0
                     skipped_since, nan_since, losses_since = 0, 0, []
+                if diverged:
+                    self.logger.close()
+                    raise NonFiniteTrainingError(
+                        f"iteration {s.iteration}: the loss or gradient norm was NaN/inf in {s.consecutive_nan} "
+                        f"iterations in a row (training.max_consecutive_nan_steps={t.max_consecutive_nan_steps}); "
+                        f"none of them updated the weights, which are those of iteration {last_update}: "
+                        "lower training.lr (or check the data and model.init_method_std) and resume from the last "
+                        "checkpoint")
                 if s.iteration % t.eval_interval == 0:
                     last_valid = self.evaluate(self.valid_ds, "valid", self._valid_consumed(s.iteration), t.eval_iters)
                 if t.save_interval and s.iteration % t.save_interval == 0:
@@ -342,6 +404,9 @@ class Trainer:
         if stopped_by is not None:
             self.logger.info(f"received {stopped_by}: saved checkpoint at iteration {s.iteration} to "
                              f"{summary['checkpoint']}; exiting")
+        if self.logger.writer:
+            write_summary(self.run_dir, summary)
+        self.logger.info("summary: " + strict_json(summary))
         return summary
 
 
@@ -363,7 +428,7 @@ def _any_rank(flag: bool) -> bool:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return flag
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    device = ps.get_collective_device()
     tensor = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return bool(tensor.item())
@@ -375,7 +440,7 @@ def _average_over_dp(value: float) -> float:
         return value
     import torch.distributed as dist
 
-    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    device = ps.get_collective_device()
     tensor = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(tensor, group=group)
     return float(tensor.item()) / ps.get_data_parallel_world_size()
