@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -149,7 +148,8 @@ def _launch_recipe(recipe: str, set_, nproc: int, nnodes: int):
 
 
 def _train_command(r: config.Recipe, overrides, nproc, nnodes, node_rank, master_addr, master_port,
-                   rdzv_endpoint, load, no_save_optim, workdir) -> list[str]:
+                   rdzv_endpoint, load, no_save_optim, workdir, use_torchrun: bool = False,
+                   no_fallback: bool = False, from_scratch: bool = False) -> list[str]:
     from megatron_core.launch import torchrun_command
 
     vocab, merges = workflow.tokenizer_files(r, workdir)
@@ -160,7 +160,8 @@ def _train_command(r: config.Recipe, overrides, nproc, nnodes, node_rank, master
         extra += ["--load", load]
     if no_save_optim:
         extra.append("--no-save-optim")
-    if nproc * nnodes == 1:
+    extra += ["--no-fallback"] * no_fallback + ["--from-scratch"] * from_scratch
+    if nproc * nnodes == 1 and not use_torchrun:
         cmd = [sys.executable, "-m", "megatron_core.pretrain_gpt", "--recipe", r.source]
         for item in overrides:
             cmd += ["--set", item]
@@ -179,23 +180,29 @@ TRAIN_HELP = {
     "rdzv_endpoint": "torchrun rendezvous endpoint host:port (instead of master addr/port)",
     "load": "checkpoint directory to resume from (default: the run's own)",
     "no_save_optim": "write model-only checkpoints",
+    "no_fallback": "refuse to resume when the latest checkpoint fails verification (default: fall back)",
+    "from_scratch": "start from iteration 0 even where checkpoints exist (their saves replace them)",
+    "torchrun": "launch through torchrun even for one process (a process group of one: NCCL on a GPU)",
 }
 
 
 @recipe_task(help=TRAIN_HELP)
 def train(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, nproc=0, nnodes=1, node_rank=0,
-          master_addr="127.0.0.1", master_port=29500, rdzv_endpoint=None, load=None, no_save_optim=False):
+          master_addr="127.0.0.1", master_port=29500, rdzv_endpoint=None, load=None, no_save_optim=False,
+          torchrun=False, no_fallback=False, from_scratch=False):
     """Train the recipe (running the missing data steps first); prints the run directory."""
+    from megatron_core.launch import run_forwarding_signals
     from megatron_core.pretrain_gpt import check_training_values
 
     r, overrides, nproc = _launch_recipe(recipe, set_, nproc, nnodes)
     check_training_values(r)  # refused here, before the data steps run, as the processes would refuse it
     workflow.ensure_training_inputs(r, workdir)
     cmd = _train_command(r, overrides, nproc, nnodes, node_rank, master_addr, master_port, rdzv_endpoint, load,
-                         no_save_optim, workdir)
+                         no_save_optim, workdir, use_torchrun=torchrun, no_fallback=no_fallback,
+                         from_scratch=from_scratch)
     print(f"run directory: {workflow.run_dir(r, workdir)}", flush=True)
     print("+ " + " ".join(cmd), flush=True)
-    rc = subprocess.call(cmd)
+    rc = run_forwarding_signals(cmd)  # Ctrl-C / SIGTERM reach the trainer, which saves before it exits
     if rc != 0:
         raise Exit(f"error: training exited with code {rc}", code=rc)
     print(f"run directory: {workflow.run_dir(r, workdir)}")
@@ -268,10 +275,12 @@ def import_hf(c, model, save, tp=1, pp=1, vpp_layers=None, overwrite=False):
     "dtype": "auto | fp32 | fp16 | bf16 (default: the recipe's precision on a GPU, fp32 on a CPU)",
     "generation_batch": "HumanEval rows per generation batch (default: what GPU memory holds; 16 on a CPU)",
     "workers": "sandboxed samples run at once (default: the CPU count)",
+    "unsafe_weak_isolation": "where namespaces are unavailable, run samples with rlimits only (see README)",
 })
 def evaluate(c, recipe=None, set_=None, workdir=DEFAULT_WORKDIR, model=None, humaneval=False,
              allow_code_execution=False, num_samples=None, temperature=None, top_p=None, max_new_tokens=None,
-             problems=None, device="auto", dtype="auto", generation_batch=None, workers=None):
+             problems=None, device="auto", dtype="auto", generation_batch=None, workers=None,
+             unsafe_weak_isolation=False):
     """Perplexity on the valid/test splits, and HumanEval pass@k when asked."""
     from megatron_core.checkpoint_format import RECIPE_FILENAME
     from megatron_core.evaluate import evaluate as run_evaluate
@@ -284,7 +293,8 @@ def evaluate(c, recipe=None, set_=None, workdir=DEFAULT_WORKDIR, model=None, hum
                            num_samples=_number(num_samples, int), temperature=_number(temperature, float),
                            top_p=_number(top_p, float), max_new_tokens=_number(max_new_tokens, int),
                            problems=_number(problems, int), device=device, dtype=dtype,
-                           generation_batch=_number(generation_batch, int), workers=_number(workers, int))
+                           generation_batch=_number(generation_batch, int), workers=_number(workers, int),
+                           unsafe_weak_isolation=unsafe_weak_isolation)
     summary = {k: v for k, v in results.items() if k.startswith("pass@")}
     summary.update({f"{split}_{m}": r[m] for split, r in results.get("perplexity", {}).items() for m in ("loss", "ppl")})
     print(json.dumps(summary, indent=2))
@@ -415,14 +425,16 @@ def bench_kernels(c, dtype="bf16", iters=50):
 
 
 @task(name="build", help={"tag": "image tag (default megatron-recipes:ngc<NGC tag>)",
-                          "ngc_tag": "NGC PyTorch release, e.g. 25.10", "no_cache": "build without the layer cache",
+                          "ngc_tag": "NGC PyTorch release, e.g. 25.10",
+                          "ngc_digest": "that release's image digest, sha256:... (needed with another --ngc-tag)",
+                          "no_cache": "build without the layer cache",
                           "pull": "pull a newer base image", "dry_run": "print the docker build command and exit"})
 @people_errors
-def docker_build(c, tag=None, ngc_tag=None, no_cache=False, pull=False, dry_run=False):
+def docker_build(c, tag=None, ngc_tag=None, ngc_digest=None, no_cache=False, pull=False, dry_run=False):
     """Build the NGC-based image (Apex CUDA extensions checked at build time)."""
     from megatron_core import containers
 
-    containers.build(tag=tag, ngc_tag=ngc_tag, no_cache=no_cache, pull=pull, dry_run=dry_run)
+    containers.build(tag=tag, ngc_tag=ngc_tag, ngc_digest=ngc_digest, no_cache=no_cache, pull=pull, dry_run=dry_run)
 
 
 @task(name="run", iterable=["mount", "set_", "env"], auto_shortflags=False, help={

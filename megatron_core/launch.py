@@ -59,3 +59,43 @@ def torchrun_command(recipe_spec: str, overrides: Sequence[str], nproc: int, nno
         cmd += ["--set", item]
     cmd += ["--set", f"parallel.world_size={nproc * nnodes}"]
     return cmd + list(extra_args)
+
+
+def run_forwarding_signals(cmd: Sequence[str], grace_s: float = 600.0) -> int:
+    """Run the trainer (or torchrun) and return its exit status, forwarding SIGINT and SIGTERM to it.
+
+    The child runs in its own process group, so a Ctrl-C at the terminal reaches this process only, and
+    each signal is forwarded to the child's whole group exactly once (torchrun and its workers): the
+    trainer saves at the end of its iteration and exits, and this process waits for it instead of killing
+    it midway (what subprocess.call does on KeyboardInterrupt). A job still running `grace_s` seconds
+    after the first signal, or at a third signal, gets SIGKILL. A child killed by a signal is reported as
+    128 + that signal, the shell's convention.
+    """
+    import os
+    import signal
+    import subprocess
+    import time
+
+    child = subprocess.Popen(list(cmd), start_new_session=True)
+    received: list[float] = []  # when each signal came
+
+    def forward(signum, frame):  # noqa: ARG001 - the signal handler's signature
+        received.append(time.monotonic())
+        try:
+            os.killpg(child.pid, signal.SIGKILL if len(received) >= 3 else signum)
+        except ProcessLookupError:
+            pass
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while True:
+            try:
+                rc = child.wait(timeout=1.0)
+                break
+            except subprocess.TimeoutExpired:
+                if received and time.monotonic() - received[0] > grace_s:
+                    os.killpg(child.pid, signal.SIGKILL)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 - rc if rc < 0 else rc

@@ -176,6 +176,25 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     _VIRTUAL_PIPELINE_WORLD_SIZE = virtual_pipeline_model_parallel_size
 
 
+_COLLECTIVE_DEVICE: Optional[str] = None  # the training device, set once a run has chosen it
+
+
+def set_collective_device(device) -> None:
+    """Name the training device: the tensors this process hands to collectives are made there."""
+    global _COLLECTIVE_DEVICE
+    _COLLECTIVE_DEVICE = str(device)
+
+
+def get_collective_device() -> str:
+    """Where a tensor made for a collective goes: the training device (NCCL takes CUDA tensors only, gloo
+    takes both, so several ranks sharing one GPU over gloo still hand over what NCCL would get). Before a run
+    names it: the current CUDA device under an NCCL group, else the CPU."""
+    if _COLLECTIVE_DEVICE is not None:
+        return _COLLECTIVE_DEVICE
+    nccl = dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"
+    return "cuda" if nccl else "cpu"
+
+
 def is_local_rank_zero() -> bool:
     """Local rank 0 of this node (torchrun's LOCAL_RANK; without it, global rank 0, or no process
     group at all): the process that looks after this node's files, so nodes need no shared disk."""

@@ -9,8 +9,10 @@ once at start-up, and runs megatron_core.training.trainer.Trainer. Importable as
 from __future__ import annotations
 
 import argparse
-import json
+import functools
+import os
 import random
+import signal
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -56,6 +58,11 @@ def check_training_values(recipe: Recipe) -> None:
         problems.append(f"training.fp16 needs a CUDA GPU but training.device is {where}: fp16 is for GPUs (no "
                         "fast fp16 matmuls on a CPU); on a CPU use --set fp16=false --set bf16=true (or fp32), "
                         "or train on a GPU with --set device=cuda")
+    if t.optimizer == "apex":
+        from megatron_core.fusions.apex import fused_adam_problem
+
+        problem = fused_adam_problem(trains_on(recipe))
+        problems += [problem] if problem else []
     if t.fp16:
         if not 0 < t.min_loss_scale <= t.initial_loss_scale:
             problems.append(f"training.min_loss_scale {t.min_loss_scale} must be in (0, initial_loss_scale "
@@ -114,14 +121,15 @@ def precision_of(recipe: Recipe) -> tuple[str, torch.dtype]:
     return recipe.precision, {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[recipe.precision]
 
 
-def seed_everything(seed: int) -> None:
-    """Megatron's _set_random_seed: seed + 100 x pipeline rank for python, numpy, torch and the TP tracker."""
+def seed_everything(seed: int, device_type: str = "cpu") -> None:
+    """Megatron's _set_random_seed: seed + 100 x pipeline rank for python, numpy, torch and the TP tracker.
+    `device_type` is the training device's: the tracker forks that device's generator."""
     from megatron_core.tensor_parallel.random import model_parallel_manual_seed
 
     seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
     random.seed(seed)
     np.random.seed(seed)
-    model_parallel_manual_seed(seed)
+    model_parallel_manual_seed(seed, device_type)
 
 
 def _vocab_size(tokenizer_files, vocab_size: Optional[int]) -> int:
@@ -142,14 +150,14 @@ def _data_prefix_arg(data_prefix):
     return str(data_prefix)
 
 
-def build_datasets(recipe: Recipe, data_prefix, cache_dir: Path):
+def build_datasets(recipe: Recipe, data_prefix, cache_dir: Path, vocab_size: Optional[int] = None):
     from megatron_core.data.gpt_dataset import build_gpt_datasets, samples_per_split
 
     t = recipe.training
     counts = samples_per_split(t.train_iters, t.global_batch_size, t.eval_interval, t.eval_iters)
     return build_gpt_datasets(_data_prefix_arg(data_prefix), split=recipe.data.split,
                               seq_length=recipe.model.seq_length, num_samples=counts, seed=t.seed,
-                              cache_dir=str(cache_dir))
+                              cache_dir=str(cache_dir), vocab_size=vocab_size)
 
 
 def build_model(recipe: Recipe, padded_vocab_size: int, device: torch.device, dtype: torch.dtype, fusions):
@@ -171,7 +179,8 @@ def build_model_and_optimizer(recipe: Recipe, padded_vocab_size: int, device: to
     """(fusion backends, the model to train (DDP-wrapped when DP > 1), the bare GPTModel, optimizer):
     what train() runs and what bench/train.py times, built one way."""
     from megatron_core.distributed import DistributedDataParallel
-    from megatron_core.fusions import fused_adam_class, resolve_backends
+    from megatron_core.fusions import resolve_backends
+    from megatron_core.fusions.apex import fused_adam_class, fused_adam_problem
     from megatron_core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
     from megatron_core.optimizer.optimizer import AdamSettings, MegatronOptimizer
 
@@ -180,7 +189,12 @@ def build_model_and_optimizer(recipe: Recipe, padded_vocab_size: int, device: to
     fusions = resolve_backends(t.fusions, t.fusion_overrides, device, dtype)
     model = build_model(recipe, padded_vocab_size, device, dtype, fusions)
     inner_model = model
-    fused_adam = fused_adam_class() if device.type == "cuda" else None
+    fused_adam = None  # training.optimizer adam: torch's AdamW
+    if t.optimizer == "apex":  # opt-in; check_training_values refused it already where it cannot run
+        problem = fused_adam_problem(device.type)
+        if problem:
+            raise TrainingConfigError(f"cannot train this recipe: {problem}")
+        fused_adam = fused_adam_class()
     scaler = (DynamicGradScaler(t.initial_loss_scale, t.min_loss_scale, 2.0, 0.5, t.loss_scale_window, t.hysteresis)
               if precision == "fp16" else ConstantGradScaler())
     settings = AdamSettings(t.lr, t.weight_decay, t.adam_beta1, t.adam_beta2, t.adam_eps)
@@ -199,12 +213,31 @@ def build_model_and_optimizer(recipe: Recipe, padded_vocab_size: int, device: to
     return fusions, model, inner_model, optimizer
 
 
+def _destroys_what_it_started(train_fn):
+    """train()'s exit, also on an error: the process group init_distributed made is destroyed (NCCL
+    warns at exit without it; some versions hang). A group the caller made is left to the caller."""
+    @functools.wraps(train_fn)
+    def wrapper(*args, **kwargs):
+        from megatron_core.distributed import destroy_distributed
+
+        try:
+            return train_fn(*args, **kwargs)
+        finally:
+            destroy_distributed()
+
+    return wrapper
+
+
+@_destroys_what_it_started
 def train(recipe: Recipe, run_dir, data_prefix, tokenizer_files=None, load=None, save=None, *,
-          save_optim: bool = True, vocab_size: Optional[int] = None, datasets=None) -> dict:
+          save_optim: bool = True, vocab_size: Optional[int] = None, datasets=None, fallback: bool = True,
+          from_scratch: bool = False) -> dict:
     """Train `recipe`; outputs under `run_dir` (checkpoints default to run_dir/checkpoints and
     resume from there). `datasets` (train, valid, test) replaces building them from data_prefix."""
     from megatron_core.distributed import init_distributed
     from megatron_core.fusions import apex_status
+    from megatron_core.training.checkpointing import check_can_save
+    from megatron_core.training import run_lock
     from megatron_core.training.logging import RunLogger
     from megatron_core.training.trainer import Trainer, _is_log_writer
 
@@ -212,55 +245,67 @@ def train(recipe: Recipe, run_dir, data_prefix, tokenizer_files=None, load=None,
     run_dir = Path(run_dir)
     p, t = recipe.parallel, recipe.training
     # The backend follows where the recipe trains: a CPU recipe talks gloo even on a GPU host
-    # (None: NCCL where CUDA is, gloo elsewhere).
-    info = init_distributed(backend="gloo" if t.device == "cpu" else None)
+    # (None: NCCL where CUDA is, gloo elsewhere). MEGATRON_DISTRIBUTED_BACKEND=gloo lets several ranks
+    # share one GPU (NCCL refuses two ranks on a device): bench/gpu_check.py's 8-rank layout check.
+    info = init_distributed(backend=os.environ.get("MEGATRON_DISTRIBUTED_BACKEND") or
+                            ("gloo" if t.device == "cpu" else None))
     if info.world_size != p.world_size:
         raise TrainingConfigError(f"the recipe's parallel.world_size is {p.world_size} but {info.world_size} "
                                   "processes were started; launch with that many (invoke train) or --set world_size=N")
     if info.world_size > 1:
         ps.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                                      p.virtual_pipeline_model_parallel_size(recipe.model.num_layers))
-    device = choose_device(t.device, info.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    precision, dtype = precision_of(recipe)
-    seed_everything(t.seed)
+    # One job per run directory (local rank 0 of each node takes it: nodes need not share a disk).
+    lock = run_lock.acquire(run_dir, log=print) if ps.is_local_rank_zero() else None
+    try:
+        device = choose_device(t.device, info.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        ps.set_collective_device(device)
+        precision, dtype = precision_of(recipe)
+        seed_everything(t.seed, device.type)
 
-    padded_vocab = recipe.padded_vocab_size(_vocab_size(tokenizer_files, vocab_size))
-    fusions, model, inner_model, optimizer = build_model_and_optimizer(recipe, padded_vocab, device)
-    logger = RunLogger(run_dir, writer=_is_log_writer())
-    if datasets is None:
-        datasets = build_datasets(recipe, data_prefix, run_dir / "index-cache")
-    if datasets[0] is None:
-        raise TrainingConfigError(f"data.split {recipe.data.split!r} gives the train split no documents")
+        padded_vocab = recipe.padded_vocab_size(_vocab_size(tokenizer_files, vocab_size))
+        fusions, model, inner_model, optimizer = build_model_and_optimizer(recipe, padded_vocab, device)
+        check_can_save(run_dir, Path(save) if save else run_dir / "checkpoints", parameters=sum(
+            x.numel() for x in inner_model.parameters()) * p.tensor_model_parallel_size * p.pipeline_model_parallel_size,
+            bytes_per_parameter=dtype.itemsize + (12 if save_optim else 0))  # + fp32 master, exp_avg, exp_avg_sq
+        logger = RunLogger(run_dir, writer=_is_log_writer())
+        if datasets is None:
+            datasets = build_datasets(recipe, data_prefix, run_dir / "index-cache", vocab_size=padded_vocab)
+        if datasets[0] is None:
+            raise TrainingConfigError(f"data.split {recipe.data.split!r} gives the train split no documents")
 
-    save = Path(save) if save else run_dir / "checkpoints"
-    load = Path(load) if load else save
-    name = device_name(device)
-    n_params = sum(x.numel() for x in inner_model.parameters())
-    apex = apex_status()
-    logger.info(f"recipe: {recipe.describe()}")
-    logger.info(f"recipe source: {recipe.source or '<in memory>'}; overrides: {recipe.overrides or 'none'}")
-    vpp = p.virtual_pipeline_model_parallel_size(recipe.model.num_layers)
-    schedule = (f" (interleaved 1F1B, {vpp} virtual stages of {p.num_layers_per_virtual_pipeline_stage} layers "
-                "per rank)" if vpp is not None else "")
-    logger.info(f"layout: world {p.world_size} = TP {p.tensor_model_parallel_size} x PP "
-                f"{p.pipeline_model_parallel_size}{schedule} x DP {p.data_parallel_size}; micro batch {t.micro_batch_size}, "
-                f"{recipe.num_micro_batches} micro batches per iteration, global batch {t.global_batch_size}")
-    logger.info(f"device: {name}; precision: {precision}; parameters on this rank: {n_params:,}; "
-                f"padded vocab {padded_vocab}")
-    logger.info(precision_regime(recipe))
-    logger.info(f"optimizer: {optimizer.description} (apex FusedAdam importable: "
-                f"{bool(apex.get('apex.optimizers.FusedAdam') and apex.get('amp_C'))})")
-    logger.info(f"{fusions.describe()}")
-    logger.info(f"model: {inner_model.describe_backends()}; compile: {t.compile}")
-    logger.info(f"lr: {t.lr_decay_style} from {t.lr} to {t.min_lr}, warmup {t.lr_warmup_iters}, "
-                f"decay iters {t.decay_iters}; clip_grad {t.clip_grad}; weight decay {t.weight_decay}")
-    logger.info(f"run directory: {run_dir}; checkpoints: save {save}, load {load}")
-    trainer = Trainer(recipe, model, datasets, padded_vocab, run_dir, optimizer=optimizer, device=device, save=save,
-                      load=load, save_optim=save_optim, params_dtype=str(dtype).replace("torch.", ""),
-                      logger=logger, device_name=name, precision=precision, tokenizer_files=tokenizer_files)
-    return trainer.fit()
+        save = Path(save) if save else run_dir / "checkpoints"
+        load = Path(load) if load else save
+        name = device_name(device)
+        n_params = sum(x.numel() for x in inner_model.parameters())
+        apex = apex_status()
+        logger.info(f"recipe: {recipe.describe()}")
+        logger.info(f"recipe source: {recipe.source or '<in memory>'}; overrides: {recipe.overrides or 'none'}")
+        vpp = p.virtual_pipeline_model_parallel_size(recipe.model.num_layers)
+        schedule = (f" (interleaved 1F1B, {vpp} virtual stages of {p.num_layers_per_virtual_pipeline_stage} layers "
+                    "per rank)" if vpp is not None else "")
+        logger.info(f"layout: world {p.world_size} = TP {p.tensor_model_parallel_size} x PP "
+                    f"{p.pipeline_model_parallel_size}{schedule} x DP {p.data_parallel_size}; micro batch {t.micro_batch_size}, "
+                    f"{recipe.num_micro_batches} micro batches per iteration, global batch {t.global_batch_size}")
+        logger.info(f"device: {name}; precision: {precision}; parameters on this rank: {n_params:,}; "
+                    f"padded vocab {padded_vocab}")
+        logger.info(precision_regime(recipe))
+        logger.info(f"optimizer: {optimizer.description} (apex FusedAdam importable: "
+                    f"{bool(apex.get('apex.optimizers.FusedAdam') and apex.get('amp_C'))})")
+        logger.info(f"{fusions.describe()}")
+        logger.info(f"model: {inner_model.describe_backends()}; compile: {t.compile}")
+        logger.info(f"lr: {t.lr_decay_style} from {t.lr} to {t.min_lr}, warmup {t.lr_warmup_iters}, "
+                    f"decay iters {t.decay_iters}; clip_grad {t.clip_grad}; weight decay {t.weight_decay}")
+        logger.info(f"run directory: {run_dir}; checkpoints: save {save}, load {load}")
+        trainer = Trainer(recipe, model, datasets, padded_vocab, run_dir, optimizer=optimizer, device=device, save=save,
+                          load=load, save_optim=save_optim, params_dtype=str(dtype).replace("torch.", ""),
+                          logger=logger, device_name=name, precision=precision, tokenizer_files=tokenizer_files,
+                          resume_fallback=fallback, from_scratch=from_scratch)
+        return trainer.fit()
+    finally:
+        run_lock.release(lock)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -277,6 +322,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--load", help="checkpoint directory to resume from (default: the --save directory)")
     parser.add_argument("--save", help="checkpoint directory (default: {run-dir}/checkpoints)")
     parser.add_argument("--no-save-optim", action="store_true", help="write model-only checkpoints")
+    parser.add_argument("--no-fallback", action="store_true",
+                        help="refuse to resume when the latest checkpoint fails verification (default: fall back "
+                             "to the newest older one that verifies)")
+    parser.add_argument("--from-scratch", action="store_true",
+                        help="start from iteration 0 even where checkpoints exist (their saves replace them)")
     return parser.parse_args(argv)
 
 
@@ -290,13 +340,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise UserError("--vocab-file and --merge-file go together: give both")
         run_dir = Path(args.run_dir) if args.run_dir else Path(args.workdir) / recipe.name / "runs" / recipe.hash
         tokenizer_files = (args.vocab_file, args.merge_file) if args.vocab_file else None
+        # The writer rank prints `summary: {...}` and writes run_dir/summary.json (Trainer.fit).
         summary = train(recipe, run_dir, args.data_path, tokenizer_files, load=args.load, save=args.save,
-                        save_optim=not args.no_save_optim, vocab_size=args.vocab_size)
+                        save_optim=not args.no_save_optim, vocab_size=args.vocab_size,
+                        fallback=not args.no_fallback, from_scratch=args.from_scratch)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if ps.get_data_parallel_rank() == 0 and ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
-        print("summary: " + json.dumps(summary), flush=True)
+    if summary.get("stopped_by"):  # saved, but not finished: a scheduler or a pipeline must not read success
+        if ps.is_local_rank_zero():
+            print(f"stopped by {summary['stopped_by']} at iteration {summary['iteration']} of "
+                  f"{recipe.training.train_iters} (checkpoint {summary['checkpoint']}); run the same command "
+                  "again to resume", file=sys.stderr, flush=True)
+        return 128 + signal.Signals[summary["stopped_by"]].value
     return 0
 
 

@@ -1,5 +1,7 @@
 """Process groups: Megatron's rank order, layout validation, single-process behaviour, a real 4-rank run."""
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -124,3 +126,33 @@ def test_stage_layers_contiguous_and_megatrons_interleaved_layout():
     with pytest.raises(ps.ParallelLayoutError, match="num_layers 8 is not divisible by pipeline_model_parallel_size 2 x "
                                                      "num_layers_per_virtual_pipeline_stage 3 = 6"):
         ps.validate_layout(2, 1, 2, num_layers=8, num_layers_per_virtual_pipeline_stage=3)
+
+
+def test_collective_tensors_are_made_on_the_training_device_whatever_the_backend(monkeypatch):
+    """Several ranks sharing one GPU talk gloo, yet must hand collectives what NCCL would get: CUDA tensors.
+    The trainer's stop flag and loss average, and the resume agreement, follow the training device."""
+    from megatron_core.training import checkpointing, trainer
+
+    seen = []
+
+    class Recorded(Exception):
+        pass
+
+    def all_reduce(tensor, *args, **kwargs):
+        seen.append(tensor.device.type)
+        raise Recorded
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(ps, "get_data_parallel_group", lambda: object())
+    monkeypatch.setattr(ps, "get_data_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(ps, "_COLLECTIVE_DEVICE", None)
+    assert ps.get_collective_device() == "cpu"  # gloo, before a run names its device
+    ps.set_collective_device(torch.device("meta"))  # stands for CUDA: any device but the CPU
+    for call in (lambda: trainer._any_rank(True), lambda: trainer._average_over_dp(1.0),
+                 lambda: checkpointing._on_every_rank(True, 3, Path("x"))):
+        with pytest.raises(Recorded):
+            call()
+    assert seen == ["meta"] * 3
