@@ -1,28 +1,25 @@
 #!/usr/bin/env bash
-# One short GPU session that gives every GPU figure of the fused-kernel and speed issues, checks first, then times:
-#   1. the environment report (torch, CUDA, NCCL, Apex, Triton, the host CPU's bf16 units);
+# The GPU speed call (issue 31's figures); the correctness call is `python -m bench.gpu_check` (run it first).
+#   1. the environment report (torch, CUDA, NCCL, Apex, Triton);
 #   2. every Triton kernel against its PyTorch reference, forward and backward, compiled for this GPU;
 #   3. bench.train: CodeParrot-small (12x768x12, seq 1024, micro 12, global 192) in bf16 on one GPU,
 #      ours against transformers' GPT2LMHeadModel + torch AdamW (tokens/s, TFLOP/s, MFU, peak memory,
 #      fraction_of_gemm); then the same shape with dropout off and a smaller global batch, where the first
 #      steps' losses of the two sides must agree (the same-work check is only enforced without dropout);
-#   4. bench.drift at that shape: every fusion on Triton against all on torch from the same weights, compared
-#      tensor by tensor after 2 steps and forward-only on the third step's batches (weights x fusions), which
-#      tells a wrong update from a forward that differs (stop 20's all-Triton drift of 1.0e-3 at step 3);
-#   5. bench.kernels: GB/s of each fusion against the measured copy bandwidth, speedup over eager, and the
-#      kernels' own (device) time beside the wall time;
-#   6. where the host CPU has bf16 matrix units (AMX or AVX512-BF16), issue 15's CPU bf16 command.
+#   4. bench.drift at that shape: fusions=triton (our Triton softmax and cross entropy, Apex's LayerNorm where
+#      Apex imports) against all on torch from the same weights, compared tensor by tensor after 2 steps and
+#      forward-only on the third step's batches (weights x fusions);
+#   5. bench.kernels: GB/s of each Triton fusion against the measured copy bandwidth, speedup over eager, and the
+#      kernels' own (device) time beside the wall time.
 # The CodeParrot data and tokenizer come from the Hub; offline, the same model is fed the Python stdlib
 # corpus with a 32768-token BPE trained on it (same shapes, same FLOPs). WORK may hold those steps
 # already built (bench.train reuses a step whose manifest exists).
 # Each part runs under its own time limit and a failing part does not stop the next; the exit status
-# says whether all passed. JSON (and charts) land in bench/results/; the files this run wrote are
-# copied to $OUT when it is set (the device tool brings back at most 8 files).
+# says whether all passed. JSON lands in bench/results/; the files this run wrote are copied to $OUT
+# when it is set.
 #
-#   bash bench/gpu_check.sh          # about 7 minutes on one H200; needs torch, triton, transformers
-# The parts' own limits add up to 14 minutes, past the device tool's 10 a call: the CPU part, last, is the
-# one a slow run loses; ONLY='words of a part's name' runs only the parts so named, for a second call
-# (e.g. ONLY='CPU bf16').
+#   bash bench/gpu_speed.sh          # about 7 minutes on one H200; needs torch, triton, transformers
+# ONLY='words of a part's name' runs only the parts so named, for a second call.
 # On the H200 image (Triton 3.6, NumPy 2.5) test_vocab_parallel_cross_entropy_on_two_gloo_ranks fails inside
 # Triton's CPU interpreter (int() of a 1-element array, which NumPy 2.5 refuses), so it is left out here.
 # A part that fails stays in the FAILED list even when its fallback passes.
@@ -68,9 +65,6 @@ SMALL_BENCH=("$PY" -m bench.train "${SMALL[@]}" --baseline hf --set fusions=auto
 echo "== environment"
 "$PY" -m megatron_core.doctor || true
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv || true
-grep -m1 'model name' /proc/cpuinfo || true
-CPU_BF16=$(grep -m1 -o -w -E 'amx_bf16|avx512_bf16' /proc/cpuinfo | paste -sd, || true)
-echo "host CPU bf16 matrix units: ${CPU_BF16:-none}; cores: $(nproc)"
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU visible'; print(torch.cuda.get_device_name())" \
   || exit 1
 
@@ -94,18 +88,13 @@ part "bench.train same-work check: dropout off, global batch 24, fusions=auto" 9
   "${SMALL_BENCH[@]}" --iters 2 --warmup 1 --repeats 1 --rounds 2 --profile-steps 0 \
   --set hidden_dropout=0 --set attention_dropout=0 --set global_batch_size=24
 
-# Stop 20 saw all-Triton drift 1.0e-3 from transformers at step 3 (all-torch 2e-6): the update or the forward?
-part "bench.drift: all-Triton against all-torch, global batch 24, 2 steps" 90 \
+# Stop 20 saw all-Triton drift 1.0e-3 from transformers at step 3 (all-torch 2e-6), with the three kernels since
+# deleted: does what is left (softmax, cross entropy) drift, and in the update or the forward?
+part "bench.drift: fusions=triton against all-torch, global batch 24, 2 steps" 90 \
   "$PY" -m bench.drift "${SMALL[@]}" --set global_batch_size=24 --fusions triton --steps 2
 
 part "bench.kernels bf16" 60 "$PY" -m bench.kernels --dtype bf16 --iters 50
 
-if [ -n "$CPU_BF16" ]; then
-  part "bench.train issue 15's CPU bf16 shape on this host's CPU ($CPU_BF16)" 150 \
-    "$PY" -m bench.train --recipe codeparrot-tiny --workdir "$WORK" --baseline hf --iters 4 --repeats 1 --rounds 6 \
-    --set device=cpu --set bf16=true --set num_layers=12 --set hidden_size=768 --set num_attention_heads=12 \
-    --set seq_length=256 --set max_position_embeddings=256 --set micro_batch_size=2 --set global_batch_size=4
-fi
 
 if [ "${#FAILED[@]}" -gt 0 ]; then
   printf 'gpu check: FAILED: %s\n' "${FAILED[@]}"

@@ -23,8 +23,8 @@ echo "== kernel tests on the GPU (compiled mode required)"
 docker run "${docker_flags[@]}" -e MEGATRON_FUSIONS_TEST_MODE=compiled "$image" \
   python -m pytest -q -p no:cacheprovider tests -k "fusion or kernel or triton or apex"
 
-# Twice: `auto` (what users get: Triton for softmax and cross entropy only, see fusions/backends.py) and
-# `triton` (every kernel in training, so the three that auto leaves out stay exercised).
+# Twice: `auto` (what users get, see fusions/backends.py) and `triton` (our Triton softmax and cross entropy,
+# Apex's LayerNorm, which the image has, and the best other backend for the rest).
 for fusions in auto triton; do
   echo "== GPU smoke run, fusions=$fusions"
   invoke docker.run --image "$image" --recipe smoke --gpus 1 --workdir "$workdir" \
