@@ -33,7 +33,7 @@ def test_every_part_runs_on_the_cpu_and_writes_the_summary(tmp_path):
     assert len(list(results.glob("gpu-check-*-*.json"))) == len(parts)
 
     resume = parts["train-resume"]["detail"]
-    assert resume["noise_floor_rel"] == 0.0 and resume["resume_max_rel_diff"] == 0.0  # a CPU run is deterministic
+    assert resume["noise_floor_rel"] == 0.0 and resume["resume_max_rel_diff"] <= 1e-5  # two fresh CPU runs agree
     assert sorted(map(int, resume["losses"]["resumed"])) == list(range(11, 21))
     precision = parts["precision"]["detail"]
     assert "skipped" in precision["fp16"] and len(precision["bf16"]["losses"]) == 20
