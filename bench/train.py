@@ -19,7 +19,9 @@ judged on the lower of the two (`ratio_conservative`).
 
 Reports steady-state tokens/s, ms per iteration, TFLOP/s per device (Megatron's formula), MFU where
 the device's peak is known (never on a CPU), and peak memory (CUDA: max allocated; CPU: the
-process's peak resident set, reset before each run). Writes bench/results/train-<time>.json and a
+process's peak resident set, reset before each run), and on CUDA our step's host syncs per iteration by
+call site (`host_syncs_per_iteration`, `host_sync_sites`: torch.cuda.set_sync_debug_mode("warn") over
+--iters steps; null on a CPU, with `host_syncs_note`). Writes bench/results/train-<time>.json and a
 bar chart beside it, and prints the JSON as the last line.
 """
 
@@ -153,7 +155,8 @@ def build_ours(setup: Setup, recipe: Optional[config.Recipe] = None):
     batches = setup.batches()
     model.train()
 
-    def step() -> float:
+    def step():
+        """The loss as train_step leaves it: a device tensor nobody has read (the timing reads it after)."""
         loss, ok, _ = trainer.train_step(batches)
         return loss if ok else float("nan")
 
@@ -238,6 +241,57 @@ def baseline_regime(precision: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
+# Host syncs
+# ----------------------------------------------------------------------------------------------
+
+
+def host_syncs(setup: "Setup", step: Callable[[], object], iters: int) -> dict:
+    """Our step's host syncs per iteration over `iters` steps, by call site: torch's sync debug mode warns
+    at every synchronizing CUDA operation (.item(), float(), a device-to-host copy), and explicit
+    torch.cuda.synchronize() calls are counted beside it. None on a CPU, with the reason."""
+    if setup.device.type != "cuda":
+        return {"host_syncs_per_iteration": None,
+                "host_syncs_note": "counted on CUDA only (torch.cuda.set_sync_debug_mode); on a CPU nothing "
+                                   "waits for a device: tests/test_host_syncs.py counts the reads instead"}
+    import collections
+    import warnings
+
+    step()
+    torch.cuda.synchronize(setup.device)
+    sites: collections.Counter = collections.Counter()
+    synchronize = torch.cuda.synchronize
+
+    def counted_synchronize(*args, **kwargs):
+        caller = sys._getframe(1)
+        sites[f"torch.cuda.synchronize at {_site(caller.f_code.co_filename, caller.f_lineno)}"] += 1
+        return synchronize(*args, **kwargs)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.synchronize = counted_synchronize
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(iters):
+                step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.synchronize = synchronize
+    for warning in caught:
+        if "synchroniz" in str(warning.message):
+            sites[_site(warning.filename, warning.lineno)] += 1
+    return {"host_syncs_per_iteration": sum(sites.values()) / iters,
+            "host_sync_sites": {site: n / iters for site, n in sites.most_common()}}
+
+
+def _site(filename: str, lineno: int) -> str:
+    try:
+        filename = os.path.relpath(filename)
+    except ValueError:  # another drive (Windows)
+        pass
+    return f"{filename}:{lineno}"
+
+
+# ----------------------------------------------------------------------------------------------
 # Timing
 # ----------------------------------------------------------------------------------------------
 
@@ -254,6 +308,7 @@ def timed(setup: Setup, step: Callable[[], float], iters: int, warmup: int) -> d
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = (time.perf_counter() - start) / iters
+    losses = [float(x) for x in losses]  # read after the clock stopped: ours keeps its losses on the device
     tflops = setup.flops_per_iteration / seconds / 1e12
     result = {"ms_per_iteration": seconds * 1e3, "tokens_per_s": setup.tokens_per_iteration / seconds,
               "tflops_per_device": tflops, "peak_memory_mb": _peak_memory_mb(device),
@@ -372,7 +427,7 @@ def _run(setup, recipe, overrides, iters, warmup, repeats, baseline, write, echo
         start_state = {k: v.detach().float().cpu().clone() for k, v in ours_model.state_dict().items()
                        if not k.endswith("_extra_state")}
         hf_step = build_hf(setup, start_state)
-        ours_losses = [step() for _ in range(3)]
+        ours_losses = [float(step()) for _ in range(3)]
         hf_losses = [hf_step() for _ in range(3)]
         ours_loss, hf_loss = ours_losses[0], hf_losses[0]
         check = {"ours_losses": ours_losses, "baseline_losses": hf_losses,
@@ -435,6 +490,10 @@ def _run(setup, recipe, overrides, iters, warmup, repeats, baseline, write, echo
         for _ in range(warmup):
             step()
     paired = paired_rounds(setup, steps, lambda: gemm_pass()["gemm_ms_per_iteration"], rounds)
+    syncs = host_syncs(setup, steps["ours"], iters)
+    if syncs["host_syncs_per_iteration"] is not None:
+        echo(f"host syncs per iteration (ours): {syncs['host_syncs_per_iteration']:.2f} at "
+             f"{', '.join(syncs['host_sync_sites']) or 'no site'}")
     del steps
     _free()
     fraction = paired["fraction_of_gemm_quartiles"][1]
@@ -484,6 +543,7 @@ def _run(setup, recipe, overrides, iters, warmup, repeats, baseline, write, echo
                    "baseline": baseline_regime(setup.precision)},
         "ours_backends": description["backends"],
         "ours_grad_buffer_mb": description["grad_buffer_mb"],  # the fp32 (or param-dtype) main_grad buffers
+        **syncs,  # host_syncs_per_iteration (issue 31: at most 2) and where they happen, or null with the reason
         "ours": best["ours"],
         "ours_tokens_per_s": best["ours"]["tokens_per_s"],
         "ours_all_tokens_per_s": [r["tokens_per_s"] for r in runs["ours"]],

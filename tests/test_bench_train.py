@@ -50,6 +50,7 @@ def test_same_work_and_promised_keys(smoke_bench):
     chart = Path(result["results_file"]).parent / result["chart"]  # named relative to the JSON beside it
     assert written["recipe_hash"] == result["recipe_hash"] and chart.stat().st_size > 0
     assert result["ours_grad_buffer_mb"] > 0 and "main_grad" in result["regime"]["ours"]
+    assert result["host_syncs_per_iteration"] is None and "CUDA" in result["host_syncs_note"]  # counted on a GPU
     assert result["roofline"]["gemm_ms_per_iteration"] > 0 and len(result["roofline"]["gemms"]) == 7
     assert result["ours_profile"] and all(row["ms_per_step"] >= 0 for row in result["ours_profile"])
     from bench import profiling

@@ -5,7 +5,7 @@ torch._amp_foreach_non_finite_check_and_unscale_) instead of a Python loop over 
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+from typing import Iterable, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -55,24 +55,35 @@ def flat_spans(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return spans
 
 
+# A rank's "my loss was not finite": a host bool, or a 0-dim bool tensor on the device (the training loop's,
+# so that reading the loss is no extra host sync: the flag rides in the reduction that follows).
+Poison = Union[bool, torch.Tensor]
+
+
+def _poisoned(value: torch.Tensor, poison: Poison, fill: float) -> torch.Tensor:
+    """`value`, or `fill` in its place where `poison` holds."""
+    if isinstance(poison, torch.Tensor):
+        return torch.where(poison.to(value.device), torch.full_like(value, fill), value)
+    return torch.full_like(value, fill) if poison else value
+
+
 def _all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(tensor, op=op, group=group)
 
 
 def global_grad_norm(grads: Sequence[torch.Tensor], groups: Iterable, device: torch.device,
-                     poison: bool = False) -> float:
+                     poison: Poison = False) -> float:
     """L2 norm of `grads` (the ones counts_for_norm keeps), squared sums added over each group.
     `device` is where the collective's tensor lives (the training device: NCCL refuses a CPU tensor),
     also on a rank that holds no gradient. `poison` (this rank's loss was not finite) makes the norm NaN
-    on every rank of the groups, so all of them skip the step together."""
+    on every rank of the groups, so all of them skip the step together. The one host sync: the norm's read."""
     if grads:
         norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in flat_spans(grads)], 2)
         total = torch.stack(norms).square().sum()
     else:
         total = torch.zeros((), dtype=torch.float32, device=device)
-    if poison:
-        total = torch.full((), float("nan"), dtype=torch.float32, device=device)
+    total = _poisoned(total, poison, float("nan"))
     for group in groups:
         _all_reduce(total, group)
     return float(total.sqrt())
@@ -83,7 +94,7 @@ OVERFLOW, NONFINITE_LOSS = 1.0, 2.0
 
 
 def unscale_and_check_overflow(grads: Sequence[torch.Tensor], loss_scale: float, group, device: torch.device,
-                               poison: bool = False) -> float:
+                               poison: Poison = False) -> float:
     """Divide fp32 `grads` by the loss scale in place. 0.0 when every rank of `group` (the ranks that
     must skip the step together) holds finite grads; OVERFLOW when any holds inf/NaN; NONFINITE_LOSS when
     any rank passed `poison` (its loss was not finite). `device`: as for global_grad_norm."""
@@ -91,8 +102,7 @@ def unscale_and_check_overflow(grads: Sequence[torch.Tensor], loss_scale: float,
     if grads:
         inverse = torch.full((), 1.0 / loss_scale, dtype=torch.float32, device=device)
         torch._amp_foreach_non_finite_check_and_unscale_(list(grads), found_inf, inverse)
-    if poison:
-        found_inf.fill_(NONFINITE_LOSS)
+    found_inf = _poisoned(found_inf, poison, NONFINITE_LOSS)
     _all_reduce(found_inf, group, dist.ReduceOp.MAX)
     return float(found_inf.item())
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from megatron_core import parallel_state as ps
 from megatron_core.distributed.grad_sync import Bucket, all_gather_into
-from megatron_core.optimizer.clip_grads import clip_by_norm_, counts_for_norm, global_grad_norm
+from megatron_core.optimizer.clip_grads import Poison, clip_by_norm_, counts_for_norm, global_grad_norm
 from megatron_core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megatron_core.optimizer.optimizer import AdamSettings, FP32MasterOptimizer, build_adam, no_weight_decay
 
@@ -105,7 +105,7 @@ class DistributedOptimizer(FP32MasterOptimizer):
         for piece in self.pieces:
             piece.master.grad = None
 
-    def step(self, count_zeros: bool = False, *, nonfinite_loss: bool = False
+    def step(self, count_zeros: bool = False, *, nonfinite_loss: Poison = False
              ) -> tuple[bool, Optional[float], Optional[int]]:
         """As MegatronOptimizer.step (ok False: skipped; grad_norm None for an fp16 overflow, the
         non-finite norm for the NaN guard)."""

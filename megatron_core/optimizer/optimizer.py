@@ -12,7 +12,8 @@ The interface the training loop talks to (the distributed optimizer implements t
 grads overflowed (ok=False, grad_norm None; the loss scaler backs off), clips by the global L2 norm,
 runs the inner Adam on the fp32 master weights and copies them back into the (fp16/bf16) model params.
 The NaN guard (Megatron's check_for_nan_in_loss_and_grad), in every precision: a non-finite gradient
-norm, or `nonfinite_loss` passed by any rank, skips the update on every rank (ok=False, grad_norm the
+norm, or `nonfinite_loss` passed by any rank (a bool, or a device bool tensor that rides in the norm's
+reduction so the loop never reads its loss per iteration), skips the update on every rank (ok=False, grad_norm the
 non-finite value), so no weight ever takes a NaN/inf step. Counting those steps is the loop's job.
 The norm is reduced over the model-parallel group and counts each weight once per replica
 (clip_grads.counts_for_norm, the rule the distributed optimizer uses too).
@@ -30,6 +31,7 @@ from megatron_core import parallel_state
 from megatron_core.distributed.grad_sync import gradient
 from megatron_core.optimizer.clip_grads import (
     NONFINITE_LOSS,
+    Poison,
     clip_by_norm_,
     counts_for_norm,
     global_grad_norm,
@@ -157,7 +159,7 @@ class FP32MasterOptimizer:
             out[key] = _host_copy(state[key]) if key in state else torch.zeros(master.shape, dtype=torch.float32)
         return out
 
-    def _guard(self, grads: list[torch.Tensor], group, nonfinite_loss: bool) -> Optional[tuple[bool, Optional[float]]]:
+    def _guard(self, grads: list[torch.Tensor], group, nonfinite_loss: Poison) -> Optional[tuple[bool, Optional[float]]]:
         """Unscale `grads`; (False, norm) when the step must be skipped (see step()), else None."""
         if self.precision == "fp16":
             found = unscale_and_check_overflow(grads, self.loss_scale, group, self.device, poison=nonfinite_loss)
@@ -219,11 +221,12 @@ class MegatronOptimizer(FP32MasterOptimizer):
             for m in self.master_params:
                 m.grad = None
 
-    def step(self, count_zeros: bool = False, *, nonfinite_loss: bool = False
+    def step(self, count_zeros: bool = False, *, nonfinite_loss: Poison = False
              ) -> tuple[bool, Optional[float], Optional[int]]:
         """(ok, grad_norm, num_zeros). ok is False when the step was skipped, the same on every rank:
         grad_norm None for an fp16 overflow (the loss scaler backed off), the non-finite norm for the
-        NaN guard (a non-finite gradient norm, or `nonfinite_loss` on any rank)."""
+        NaN guard (a non-finite gradient norm, or `nonfinite_loss` on any rank). `nonfinite_loss` may be a
+        0-dim bool tensor on the device: it is folded into the norm's reduction, read with it, no extra sync."""
         pairs = self._master_grads()
         grads = [g for _, g in pairs]
         group = parallel_state.get_model_parallel_group()  # DP replicas hold the same reduced grads

@@ -43,11 +43,10 @@ def _communicate(*, send_next: Optional[torch.Tensor], send_prev: Optional[torch
         from_next = torch.empty(shape, dtype=dtype, device=device, requires_grad=False)
         ops.append(dist.P2POp(dist.irecv, from_next, next_rank, group, _GRADIENT_TAG))
     if ops:
+        # wait() makes the current stream wait for the transfers (NCCL) or blocks until they are done (gloo):
+        # the received tensors are ready for the kernels queued after it, without a host sync.
         for request in dist.batch_isend_irecv(ops):
             request.wait()
-        if device.type == "cuda":
-            # batch_isend_irecv returns before the kernels finish on the compute stream's view.
-            torch.cuda.synchronize()
     return from_prev, from_next
 
 

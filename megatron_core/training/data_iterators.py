@@ -8,7 +8,9 @@ Starting at `consumed_samples` is all a resume needs to continue exactly where i
 micro batches (pinned when the device is CUDA) into a small queue, and the training thread copies
 each with `non_blocking=True`, so the device does not wait for the disk or the collation. Under
 tensor parallelism only TP rank 0 reads; it broadcasts each batch to its TP group, as Megatron's
-`broadcast_data` does. `wait_seconds` is the time the training thread spent waiting for batches
+`broadcast_data` does, after a status (batch, end, or the reader's failure) that travels in host memory
+over a gloo group: the other ranks learn it without reading a device tensor, so the TP broadcast costs
+no host sync. `wait_seconds` is the time the training thread spent waiting for batches
 (Megatron's batch-generator timer).
 """
 
@@ -25,6 +27,24 @@ import torch.distributed as dist
 from megatron_core import parallel_state as ps
 
 _END = object()
+
+
+_HOST_GROUPS: dict = {}  # TP group -> its gloo twin (the status travels there under NCCL)
+
+
+def _carries_host_tensors(group) -> bool:
+    return dist.get_backend(group) == "gloo"
+
+
+def _host_group(group):
+    """A process group over `group`'s ranks that carries CPU tensors: `group` itself under gloo, else a
+    gloo group made once (only its own ranks take part: they build their iterator together)."""
+    if _carries_host_tensors(group):
+        return group
+    if group not in _HOST_GROUPS:
+        _HOST_GROUPS[group] = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
+                                             use_local_synchronization=True)
+    return _HOST_GROUPS[group]
 
 
 def _read_batches(dataset, *, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
@@ -70,6 +90,10 @@ class PrefetchingBatches:
     def __init__(self, source: Optional[Iterator[dict]], device: torch.device, depth: int = 2,
                  tp_group=None) -> None:
         self.device, self.tp_group = device, tp_group
+        self.status_group = _host_group(tp_group) if tp_group is not None else None
+        # The status lives in host memory and is read through its numpy view: never a device tensor.
+        self._status = torch.zeros(1, dtype=torch.int64)
+        self._status_host = self._status.numpy()
         self.wait_seconds = 0.0
         self._schema: Optional[list[tuple[str, torch.Size, torch.dtype]]] = None
         self._stop = threading.Event()
@@ -102,20 +126,21 @@ class PrefetchingBatches:
         return None if item is _END else item
 
     def _broadcast(self, item):
-        """TP rank 0's batch (or its end, or its failure) on every rank of the TP group. Everything
-        sent lives on the training device, so the same code serves NCCL (CUDA) and gloo (CPU)."""
+        """TP rank 0's batch (or its end, or its failure) on every rank of the TP group. The status and
+        the schema go over the host group (no device sync); the batch's tensors over the TP group, on the
+        training device, so the same code serves NCCL (CUDA) and gloo (CPU)."""
         src = dist.get_global_rank(self.tp_group, 0)
         failed = isinstance(item, BaseException)
-        status = torch.tensor([-1 if failed else int(item is not None)], dtype=torch.int64, device=self.device)
-        dist.broadcast(status, src=src, group=self.tp_group)
-        code = int(status.item())  # one device sync
+        self._status_host[0] = -1 if failed else int(item is not None)
+        dist.broadcast(self._status, src=src, group=self.status_group)
+        code = int(self._status_host[0])
         if code == -1:
             return item if failed else RuntimeError("TP rank 0's batch reader failed (its error is in its log)")
         if code == 0:
             return None
         if self._schema is None:  # shapes and dtypes, once: every later batch has the same
             schema = [[(k, v.shape, v.dtype) for k, v in item.items()] if item is not None else None]
-            dist.broadcast_object_list(schema, src=src, group=self.tp_group)
+            dist.broadcast_object_list(schema, src=src, group=self.status_group)
             self._schema = schema[0]
         if item is None:
             item = {key: torch.empty(shape, dtype=dtype, device=self.device) for key, shape, dtype in self._schema}

@@ -9,7 +9,6 @@ itself knows nothing about files on disk except the run directory and the checkp
 
 from __future__ import annotations
 
-import math
 import signal
 import time
 from dataclasses import dataclass
@@ -253,20 +252,21 @@ class Trainer:
                                   dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
                                   device=self.device, wrap=True)
         self.model.eval()
-        total, count = 0.0, 0
+        total, count = None, 0  # the sum stays on the device: one read for the whole evaluation
         try:
             with torch.no_grad():
                 for _ in range(iters):
                     losses = self.forward_backward(gpt_forward_step, iterator, self.model, self.num_micro_batches,
                                                    seq_length=self.recipe.model.seq_length,
                                                    micro_batch_size=t.micro_batch_size, forward_only=True)
-                    for d in losses:
-                        total += float(d["lm loss"])
-                        count += 1
+                    if losses:
+                        part = _loss_sum(losses)
+                        total = part if total is None else total + part
+                        count += len(losses)
         finally:
             iterator.close()
         self.model.train()
-        loss = _average_over_dp(total / count) if count else float("nan")
+        loss = _average_over_dp(float(total) / count) if count else float("nan")
         return self.logger.evaluation(kind, self.state.iteration, loss) if count else None
 
     def _valid_consumed(self, iteration: int) -> int:
@@ -275,11 +275,12 @@ class Trainer:
         return (iteration // t.eval_interval - 1) * t.eval_iters * t.global_batch_size if iteration >= t.eval_interval else 0
 
     # -- one iteration -------------------------------------------------------------------------
-    def train_step(self, data_iterator) -> tuple[Optional[float], bool, Optional[float]]:
-        """(loss averaged over micro batches and DP, None on ranks that hold no loss (not the last
-        pipeline stage); ok; grad norm). ok False: the optimizer skipped the update, on every rank alike:
-        grad norm None for an fp16 overflow, non-finite for the NaN guard (a non-finite loss on any rank,
-        or a non-finite gradient norm)."""
+    def train_step(self, data_iterator) -> tuple[Optional[torch.Tensor], bool, Optional[float]]:
+        """(loss averaged over micro batches and DP, a 0-dim float64 tensor on the device that nothing has
+        read yet, None on ranks that hold no loss (not the last pipeline stage); ok; grad norm). ok False:
+        the optimizer skipped the update, on every rank alike: grad norm None for an fp16 overflow,
+        non-finite for the NaN guard (a non-finite loss on any rank, or a non-finite gradient norm).
+        The only host syncs are the optimizer's: the grad norm (and fp16's overflow flag)."""
         t = self.recipe.training
         zero_grad_buffer = getattr(self.model, "zero_grad_buffer", None)
         if zero_grad_buffer is not None:  # gradients accumulate in the wrapper's main_grad buffers
@@ -288,8 +289,9 @@ class Trainer:
         losses = self.forward_backward(gpt_forward_step, data_iterator, self.model, self.num_micro_batches,
                                        seq_length=self.recipe.model.seq_length, micro_batch_size=t.micro_batch_size,
                                        forward_only=False, loss_scale=self.optimizer.loss_scale)
-        loss = _average_over_dp(sum(float(d["lm loss"]) for d in losses) / len(losses)) if losses else None
-        ok, grad_norm, _ = self.optimizer.step(nonfinite_loss=loss is not None and not math.isfinite(loss))
+        loss = _average_tensor_over_dp(_loss_sum(losses) / len(losses)) if losses else None
+        # The NaN guard's loss check stays on the device: the optimizer folds it into the norm's reduction.
+        ok, grad_norm, _ = self.optimizer.step(nonfinite_loss=False if loss is None else ~torch.isfinite(loss))
         if ok:
             self.scheduler.step_iteration()
         return loss, ok, grad_norm
@@ -336,7 +338,7 @@ class Trainer:
         try:
             self.model.train()
             s.interval_start, s.interval_iterations = time.time(), 0
-            skipped_since, nan_since, losses_since = 0, 0, []
+            skipped_since, nan_since, loss_sum, loss_count = 0, 0, None, 0  # loss_sum: on the device
             last_update = s.iteration  # the last iteration that updated the weights
             waited_before = 0.0  # the batch generator's wait at the last log line
             while s.iteration < t.train_iters:
@@ -348,7 +350,7 @@ class Trainer:
                 if ok:
                     s.consecutive_nan, last_update = 0, s.iteration
                     if loss is not None:
-                        losses_since.append(loss)
+                        loss_sum, loss_count = (loss if loss_sum is None else loss_sum + loss), loss_count + 1
                 else:
                     s.skipped_iterations += 1
                     skipped_since += 1
@@ -358,12 +360,12 @@ class Trainer:
                         s.consecutive_nan += 1
                 diverged = s.consecutive_nan >= t.max_consecutive_nan_steps
                 if s.iteration % t.log_interval == 0 or diverged:
-                    mean_loss = sum(losses_since) / len(losses_since) if losses_since else None
+                    mean_loss = float(loss_sum) / loss_count if loss_count else None  # the interval's one read
                     self._log_interval(self.optimizer.param_groups[0]["lr"], grad_norm, mean_loss,
                                        skipped_since, nan_since, data_iterator.wait_seconds - waited_before)
                     waited_before = data_iterator.wait_seconds
                     s.interval_start, s.interval_iterations = time.time(), 0
-                    skipped_since, nan_since, losses_since = 0, 0, []
+                    skipped_since, nan_since, loss_sum, loss_count = 0, 0, None, 0
                 if diverged:
                     self.logger.close()
                     raise NonFiniteTrainingError(
@@ -377,7 +379,10 @@ class Trainer:
                 if t.save_interval and s.iteration % t.save_interval == 0:
                     self.save()
                     saved_at = s.iteration
-                if _any_rank(self._stop_signal is not None):  # every rank stops after the same iteration
+                # Every rank stops after the same iteration. Agreeing costs a collective and a host read, so
+                # several processes agree at log lines only: a signal stops them within log_interval iterations.
+                agree_now = s.iteration % t.log_interval == 0 or not _distributed()
+                if agree_now and _any_rank(self._stop_signal is not None):
                     stopped_by = signal.Signals(self._stop_signal or signal.SIGTERM).name
                     break
             if stopped_by is None and s.iteration % t.eval_interval != 0:
@@ -421,6 +426,17 @@ def _is_log_writer() -> bool:
             and ps.get_data_parallel_rank() == 0)
 
 
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _loss_sum(losses: list[dict]) -> torch.Tensor:
+    """The micro batches' "lm loss" summed in float64 on their device, without reading them."""
+    return torch.stack([d["lm loss"].detach() for d in losses]).double().sum()
+
+
 def _any_rank(flag: bool) -> bool:
     """True on every rank when it is true on any (a signal may reach the ranks of a job at different
     iterations; all of them must save the same one and leave together)."""
@@ -432,6 +448,18 @@ def _any_rank(flag: bool) -> bool:
     tensor = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return bool(tensor.item())
+
+
+def _average_tensor_over_dp(value: torch.Tensor) -> torch.Tensor:
+    """The mean of a 0-dim device tensor over DP, left on the device (the all-reduce reads nothing)."""
+    group = ps.get_data_parallel_group()
+    if group is None or ps.get_data_parallel_world_size() == 1:
+        return value
+    import torch.distributed as dist
+
+    value = value.to(ps.get_collective_device())
+    dist.all_reduce(value, group=group)
+    return value / ps.get_data_parallel_world_size()
 
 
 def _average_over_dp(value: float) -> float:
