@@ -161,7 +161,7 @@ def build_datasets(recipe: Recipe, data_prefix, cache_dir: Path, vocab_size: Opt
 
 
 def build_model(recipe: Recipe, padded_vocab_size: int, device: torch.device, dtype: torch.dtype, fusions):
-    from megatron_core.models.gpt import build_gpt_model
+    from megatron_core.models.gpt import build_gpt_model, compile_layers
 
     # Weights come from (training.seed, parameter name), not from the per-stage seeded RNG, so every
     # TP x PP layout starts from the single process's weights (Megatron seeds stages apart for dropout).
@@ -170,8 +170,7 @@ def build_model(recipe: Recipe, padded_vocab_size: int, device: torch.device, dt
                             init_seed=recipe.training.seed)
     model = model.to(device=device, dtype=dtype)
     if recipe.training.compile:
-        for stage in getattr(model, "chunks", [model]):
-            stage.forward = torch.compile(stage.forward)  # keeps state_dict keys unchanged
+        compile_layers(model)
     return model
 
 

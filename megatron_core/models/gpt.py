@@ -27,7 +27,6 @@ weights of the single-process model.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import math
 import re
@@ -59,6 +58,7 @@ from megatron_core.tensor_parallel import (
     vocab_parallel_cross_entropy,
     zeros_init,
 )
+from megatron_core.tensor_parallel.random import tracked_dropout
 
 # ----------------------------------------------------------------------------------------------
 # Element-wise ops through megatron_core.fusions
@@ -121,12 +121,12 @@ class LayerNorm(nn.Module):
         return self.ops.layer_norm(x, self.weight, self.bias, self.eps)
 
 
-def _dropout_rng(inside_tensor_parallel_region: bool, p: float, training: bool):
-    """The RNG a dropout draws from: the tracker's per-TP-rank state inside TP regions (heads or
-    sequence chunks differ across ranks), the default generator outside. No dropout, no draw."""
-    if inside_tensor_parallel_region and training and p > 0.0:
-        return get_rng_tracker().fork()
-    return contextlib.nullcontext()
+def _dropout(x, p: float, training: bool, inside_tensor_parallel_region: bool):
+    """Megatron's masks: inside TP regions (heads or sequence chunks differ across ranks) from the
+    tracker's per-TP-rank state, outside from the default generator (the same on every TP rank)."""
+    if inside_tensor_parallel_region:
+        return tracked_dropout(x, p, training)
+    return F.dropout(x, p=p, training=training)
 
 
 class Embedding(nn.Module):
@@ -149,9 +149,7 @@ class Embedding(nn.Module):
         positions = self.position_embeddings(position_ids.t())
         if self.sequence_parallel:
             positions = scatter_to_sequence_parallel_region(positions)
-        x = words + positions
-        with _dropout_rng(self.sequence_parallel, self.dropout, self.training):
-            return F.dropout(x, p=self.dropout, training=self.training)
+        return _dropout(words + positions, self.dropout, self.training, self.sequence_parallel)
 
 
 class SelfAttention(nn.Module):
@@ -177,11 +175,16 @@ class SelfAttention(nn.Module):
     def core_attention(self, q, k, v):
         """softmax(q k^T / sqrt(d), causal) v on [b, heads, s, d]; dropout inside the TP region."""
         p = self.attention_dropout if self.training else 0.0
-        with _dropout_rng(True, p, self.training):
-            if self.backend != "unfused":
+        # SDPA draws its mask inside the kernel, so it needs the tracker's state swapped in; a compiled
+        # graph cannot swap states, so there the probabilities are explicit and the mask is the tracker
+        # op's (on the CPU the very mask SDPA draws: SDPA's math path drops the same [b, heads, s, s]).
+        if self.backend != "unfused" and not (p > 0.0 and torch.compiler.is_compiling()):
+            if p == 0.0:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            with get_rng_tracker().fork():
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-            probs = self.ops.scaled_causal_softmax(q @ k.transpose(-2, -1), 1.0 / math.sqrt(self.head_dim))
-            return F.dropout(probs, p=p, training=self.training) @ v
+        probs = self.ops.scaled_causal_softmax(q @ k.transpose(-2, -1), 1.0 / math.sqrt(self.head_dim))
+        return tracked_dropout(probs, p, self.training) @ v
 
     def runs_blocked(self, qkv) -> bool:
         """Whether this call takes the blocked CPU kernel: asked for, or `auto` on a CPU in fp32/fp64/bf16
@@ -193,8 +196,10 @@ class SelfAttention(nn.Module):
                                 f"{self.attention_dropout} in training; use --set attention_backend=auto (SDPA "
                                 "while dropout is drawn) or --set attention_dropout=0")
             return True
+        # Not inside a compiled graph: its autograd Function writes through out= (untraceable); SDPA is
+        # the same function there.
         return (self.backend == "auto" and qkv.device.type == "cpu" and qkv.dtype in BLOCKED_DTYPES
-                and not dropout_drawn)
+                and not dropout_drawn and not torch.compiler.is_compiling())
 
     def attend(self, qkv):
         """qkv [s, b, 3h/tp] -> context [s, b, h/tp]."""
@@ -246,8 +251,9 @@ class TransformerLayer(nn.Module):
         self.mlp = MLP(config, parallel, ops, output_std)
 
     def _residual(self, out, bias, residual):
-        with _dropout_rng(self.sequence_parallel, self.hidden_dropout, self.training):
-            return self.ops.bias_dropout_add(out, bias, residual, self.hidden_dropout, self.training)
+        if self.sequence_parallel:  # this rank's sequence chunk: its mask comes from the tracker
+            return residual + tracked_dropout(out + bias, self.hidden_dropout, self.training)
+        return self.ops.bias_dropout_add(out, bias, residual, self.hidden_dropout, self.training)
 
     def forward(self, x):
         x = self._residual(*self.self_attention(self.input_layernorm(x)), x)
@@ -493,3 +499,22 @@ def build_gpt_model(config: ModelConfig, parallel: ParallelConfig, padded_vocab_
         return GPTModel(config, parallel, padded_vocab_size, fusions=fusions, init_seed=init_seed)
     return GPTModelChunks([GPTModel(config, parallel, padded_vocab_size, fusions=fusions, init_seed=init_seed,
                                     virtual_pipeline_rank=c) for c in range(chunks)])
+
+
+def compile_layers(model) -> None:
+    """torch.compile each transformer layer, as torchtitan compiles each block: the layers share one
+    graph (their parameters are its inputs), the embedding and the loss stay eager, and
+    Module.compile leaves parameter names and state_dict keys as they were. fullgraph: a layer
+    traces without a break (dropout inside TP regions goes through the tracker's custom op, the TP
+    collectives are traced)."""
+    if model.parallel.recompute_granularity == "selective":
+        # Inside a graph the recompute would be the partitioner's, which draws the tracker's masks anew.
+        raise UserError("training.compile does not combine with recompute_granularity selective (the recompute "
+                        "would redraw the attention dropout masks); use --set recompute_granularity=full, or "
+                        "training.compile=false")
+    if model.config.attention_backend == "blocked":
+        raise UserError("training.compile cannot trace attention_backend blocked (a hand-written CPU kernel); use "
+                        "--set attention_backend=auto (SDPA inside the compiled layer), or training.compile=false")
+    for stage in getattr(model, "chunks", [model]):
+        for layer in stage.encoder.layers:
+            layer.compile(fullgraph=True)

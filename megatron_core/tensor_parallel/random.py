@@ -10,6 +10,12 @@ The tracker swaps states of the default generator of one device type: the TRAINI
 passed down by the caller (never "is CUDA visible": a `device: cpu` run on a GPU host draws its
 dropout from the CPU generator, so forking the CUDA one would isolate nothing and would open a
 CUDA context in every CPU rank). CPU states are plain torch.Generator byte states.
+
+Under torch.compile a graph must not swap generator states (dynamo breaks the graph at
+get_rng_state/set_rng_state), so `tracked_dropout` draws through two opaque custom ops there: the
+forward forks the tracker inside the op and returns the state it drew from; the backward replays
+that state to redraw the same mask (dropout is linear in its input, so the gradient is the
+dropout of the incoming gradient under the same mask). The masks are the eager ones, bit for bit.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import contextlib
 from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from megatron_core import parallel_state
@@ -106,6 +113,77 @@ class RNGStatesTracker:
 
 
 _TRACKER = RNGStatesTracker()
+
+
+def _draw_dropout(x: torch.Tensor, p: float) -> torch.Tensor:
+    # Contiguous: the mask is then a function of the shape and the generator state alone, so a
+    # replay on the (contiguous) gradient redraws it element for element.
+    return F.dropout(x.contiguous(), p=p, training=True)
+
+
+@contextlib.contextmanager
+def _generator_state(device_type: str, state: torch.Tensor):
+    outside = _get_state(device_type)
+    _set_state(device_type, state)
+    try:
+        yield
+    finally:
+        _set_state(device_type, outside)
+
+
+# nondeterministic_seeded: the partitioner must never recompute the forward op in the backward.
+@torch.library.custom_op("megatron::tracked_dropout", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+def _tracked_dropout_op(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dropout(x) drawn under the tracker's fork, the tracker state it was drawn from)."""
+    if MODEL_PARALLEL_RNG not in _TRACKER.states:
+        raise RuntimeError(f"RNG state {MODEL_PARALLEL_RNG!r} is not set: call model_parallel_manual_seed(seed) first")
+    state = _TRACKER.states[MODEL_PARALLEL_RNG].clone()
+    with _TRACKER.fork():
+        return _draw_dropout(x, p), state
+
+
+@_tracked_dropout_op.register_fake
+def _(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    size = _TRACKER.states[MODEL_PARALLEL_RNG].numel() if MODEL_PARALLEL_RNG in _TRACKER.states else 0
+    return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(size, dtype=torch.uint8,
+                                                                                   device="cpu")
+
+
+@torch.library.custom_op("megatron::replayed_dropout", mutates_args=())
+def _replayed_dropout_op(grad: torch.Tensor, p: float, state: torch.Tensor) -> torch.Tensor:
+    """dropout(grad) with the mask drawn from `state` again; the generators are left as they were."""
+    with _generator_state(_TRACKER.device_type, state):
+        return _draw_dropout(grad, p)
+
+
+@_replayed_dropout_op.register_fake
+def _(grad: torch.Tensor, p: float, state: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(grad, memory_format=torch.contiguous_format)
+
+
+def _tracked_dropout_setup(ctx, inputs, output) -> None:
+    ctx.p = inputs[1]
+    ctx.save_for_backward(output[1])
+
+
+def _tracked_dropout_backward(ctx, grad, _grad_state):
+    (state,) = ctx.saved_tensors
+    return torch.ops.megatron.replayed_dropout(grad, ctx.p, state), None
+
+
+_tracked_dropout_op.register_autograd(_tracked_dropout_backward, setup_context=_tracked_dropout_setup)
+
+
+def tracked_dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
+    """Dropout inside a TP region: the mask comes from the tracker's model-parallel state (different
+    on each TP rank). Eager: under `get_rng_tracker().fork()`; compiled: through the custom op, which
+    keeps the state swap out of the graph and draws the same mask."""
+    if not training or p == 0.0:
+        return x
+    if torch.compiler.is_compiling():
+        return torch.ops.megatron.tracked_dropout(x, float(p))[0]
+    with _TRACKER.fork():
+        return _draw_dropout(x, p)
 
 
 def get_rng_tracker() -> RNGStatesTracker:
