@@ -12,7 +12,12 @@ import json
 import sys
 from pathlib import Path
 
-from invoke import Collection, Exit, task
+from invoke import Collection, Exit
+from invoke import task as invoke_task
+
+# Long flags only: invoke's automatic short flags made `-h` mean --humaneval on some tasks (not help) and
+# handed out letters that change with every new flag.
+task = functools.partial(invoke_task, auto_shortflags=False)
 
 from megatron_core import config, workflow
 from megatron_core.errors import UserError
@@ -171,6 +176,24 @@ def _train_command(r: config.Recipe, overrides, nproc, nnodes, node_rank, master
                             rdzv_endpoint=rdzv_endpoint, extra_args=extra)
 
 
+def _check_devices(r: config.Recipe, nproc: int) -> None:
+    """Refuse, before launch, a device this node does not have (else every rank dies in a torchrun traceback).
+    Several ranks on one GPU need MEGATRON_DISTRIBUTED_BACKEND=gloo (NCCL refuses two ranks on a device)."""
+    import os
+
+    from megatron_core.pretrain_gpt import trains_on
+
+    if trains_on(r) != "cuda":  # device cpu, or auto on a machine without a GPU
+        return
+    gpus = config.visible_gpu_count()
+    if gpus == 0:
+        raise UserError("training.device is cuda but this machine has no visible CUDA GPU: train on a CPU with "
+                        "--set device=cpu (or leave device auto), or run on a GPU node")
+    if nproc > gpus and os.environ.get("MEGATRON_DISTRIBUTED_BACKEND") != "gloo":
+        raise UserError(f"--nproc {nproc} processes on this node but it has {gpus} visible GPU(s), and NCCL takes "
+                        f"one rank per GPU: use --nproc {gpus} (with --set world_size or a smaller layout)")
+
+
 TRAIN_HELP = {
     "nproc": "processes per node (default: the recipe's world size / nnodes)",
     "nnodes": "number of nodes (multi-node through torchrun)",
@@ -196,16 +219,80 @@ def train(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, nproc=0,
 
     r, overrides, nproc = _launch_recipe(recipe, set_, nproc, nnodes)
     check_training_values(r)  # refused here, before the data steps run, as the processes would refuse it
+    _check_devices(r, nproc)
+    if load and not from_scratch:
+        _check_load(Path(load))
+    run = workflow.run_dir(r, workdir)
+    finished = None if (load or from_scratch) else _finished_run(r, run)
+    if finished:  # a no-op: no checkpoint rewritten, no test records appended
+        print(f"train: nothing to do: this run finished all {r.training.train_iters} iterations ({finished}); "
+              "--from-scratch trains it again", flush=True)
+        print(f"run directory: {run}")
+        return
     workflow.ensure_training_inputs(r, workdir)
     cmd = _train_command(r, overrides, nproc, nnodes, node_rank, master_addr, master_port, rdzv_endpoint, load,
                          no_save_optim, workdir, use_torchrun=torchrun, no_fallback=no_fallback,
                          from_scratch=from_scratch)
-    print(f"run directory: {workflow.run_dir(r, workdir)}", flush=True)
+    print(f"run directory: {run}", flush=True)
     print("+ " + " ".join(cmd), flush=True)
+    t = r.training
+    print(f"train: starting {nproc * nnodes} process(es) for {t.train_iters} iterations; a line every "
+          f"{t.log_interval} iterations (the first after model and data set-up)", flush=True)
     rc = run_forwarding_signals(cmd)  # Ctrl-C / SIGTERM reach the trainer, which saves before it exits
     if rc != 0:
         raise Exit(f"error: training exited with code {rc}", code=rc)
-    print(f"run directory: {workflow.run_dir(r, workdir)}")
+    _print_run_outputs(run)
+    print(f"run directory: {run}")
+
+
+def _check_load(load: Path) -> None:
+    """A --load that holds no checkpoint is a typo or the wrong directory: refuse it rather than train from
+    scratch under a name that says otherwise (--from-scratch says it on purpose)."""
+    from megatron_core.checkpoint_format import RELEASE, iteration_dir, published_iterations, read_tracker_leniently
+
+    if not load.is_dir():
+        raise UserError(f"--load {load}: no such directory; give the checkpoints/ directory of a run (or add "
+                        "--from-scratch to start from iteration 0)")
+    tracked, _ = read_tracker_leniently(load)
+    if tracked is not None or published_iterations(load) or iteration_dir(load, RELEASE).is_dir():
+        return
+    inner = load / "checkpoints"
+    hint = f"; did you mean --load {inner}?" if inner.is_dir() else " (or add --from-scratch to start from iteration 0)"
+    raise UserError(f"--load {load} holds no checkpoint (no latest_checkpointed_iteration.txt, no iter_* or "
+                    f"release directory){hint}")
+
+
+def _finished_run(r: config.Recipe, run: Path):
+    """The final checkpoint of a run that trained all its iterations and was not stopped, or None."""
+    from megatron_core.checkpoint_format import iteration_dir, read_tracker_leniently
+
+    try:
+        summary = json.loads((run / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    done = r.training.train_iters
+    tracked, _ = read_tracker_leniently(run / "checkpoints")
+    if summary.get("iteration") == done and not summary.get("stopped_by") and tracked == done:
+        return iteration_dir(run / "checkpoints", done)
+    return None
+
+
+def _print_run_outputs(run: Path) -> None:
+    """The final losses and where to look after training, one line each (the trainer's summary is one JSON line)."""
+    try:
+        summary = json.loads((run / "summary.json").read_text())
+        losses = [f"{split} loss {summary[split]['lm_loss']:.4f}" for split in ("valid", "test")
+                  if (summary.get(split) or {}).get("lm_loss") is not None]
+        print(f"train: finished at iteration {summary['iteration']}" + (f": {', '.join(losses)}" if losses else ""))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # a non-writer node has no summary: the paths still help
+    for what, path in (("loss curve", run / "loss_curve.png"), ("TensorBoard", run / "tensorboard"),
+                       ("metrics", run / "metrics.jsonl"), ("checkpoints", run / "checkpoints")):
+        if path.exists():
+            print(f"train: {what}: {path}" + (f" (tensorboard --logdir {path})" if what == "TensorBoard" else ""))
+    hf = run / "hf"
+    print(f"train: Hugging Face model: {hf}" if hf.exists() else
+          f"train: Hugging Face model: not yet; `invoke convert` (the same --recipe/--set) writes it to {hf}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -214,27 +301,34 @@ def train(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, nproc=0,
 
 
 @recipe_task(help={
+    "recipe": "recipe file, name or family (default: with --load the checkpoint's own recipe.yaml, else "
+              "codeparrot-tiny)",
     "load": "checkpoint directory (default: the recipe run's checkpoints)",
     "iteration": "N, latest or release",
-    "save": "output Hugging Face directory (default: <run dir>/hf)",
+    "save": "output Hugging Face directory (default: <run dir>/hf; needed with --load)",
     "format": "safetensors | bin | both",
     "dtype": "fp32 | fp16 | bf16",
     "overwrite": "replace an existing model in --save",
     "vocab_file": "tokenizer vocab.json (default: the run's, or the one the checkpoint names)",
     "merge_file": "tokenizer merges.txt (with --vocab-file)",
 })
-def convert(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, load=None, iteration="latest",
+def convert(c, recipe=None, set_=None, workdir=DEFAULT_WORKDIR, load=None, iteration="latest",
             save=None, format="safetensors", dtype="fp32", overwrite=False, vocab_file=None, merge_file=None):
     """Convert a Megatron-layout checkpoint (any TP/PP) into a transformers GPT2 directory."""
     from megatron_core.convert import convert_checkpoint
 
-    r = _load(recipe, set_)
-    run = workflow.run_dir(r, workdir)
     if (vocab_file is None) != (merge_file is None):
         raise UserError("--vocab-file and --merge-file go together: give both")
     vocab, merges = vocab_file, merge_file
-    if vocab is None and load is None:
-        vocab, merges = workflow.tokenizer_files(r, workdir)
+    if load is None or recipe is not None:
+        r = _load(recipe or DEFAULT_RECIPE, set_)
+        run = workflow.run_dir(r, workdir)
+        if load is None and vocab is None:
+            vocab, merges = workflow.tokenizer_files(r, workdir)
+    else:  # a checkpoint directory is converted as itself: its own recipe, not the default one
+        _carried_recipe(Path(load), set_)
+        if save is None:
+            raise UserError("convert --load needs --save HF_DIR (where to write the model)")
     summary = convert_checkpoint(
         load=load or str(run / "checkpoints"),
         save=save or str(run / "hf"),
@@ -254,10 +348,12 @@ def convert(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, load=N
                                             "schedule's chunked layout (model0, model1, ...)",
                               "overwrite": "replace a checkpoint already in --save"})
 @people_errors
-def import_hf(c, model, save, tp=1, pp=1, vpp_layers=None, overwrite=False):
+def import_hf(c, model=None, save=None, tp=1, pp=1, vpp_layers=None, overwrite=False):
     """Write a Megatron-layout checkpoint from a transformers GPT2 directory (to continue training)."""
     from megatron_core.convert import import_hf_model
 
+    if not (model and save):  # flags, not positionals: invoke answers --help only for tasks whose positionals are given
+        raise UserError("import-hf needs --model HF_DIR and --save CKPT_DIR")
     vls = int(vpp_layers) if vpp_layers is not None else None
     print(json.dumps(import_hf_model(model, save, tp=tp, pp=pp, overwrite=overwrite,
                                      num_layers_per_virtual_pipeline_stage=vls), indent=2, default=str))
@@ -285,19 +381,48 @@ def evaluate(c, recipe=None, set_=None, workdir=DEFAULT_WORKDIR, model=None, hum
     from megatron_core.checkpoint_format import RECIPE_FILENAME
     from megatron_core.evaluate import evaluate as run_evaluate
 
-    carried = Path(model or "") / RECIPE_FILENAME  # a checkpoint directory carries its run's recipe
+    carried = Path(model or "") / RECIPE_FILENAME  # checkpoint and converted directories carry their run's recipe
     r = _load(recipe or (str(carried) if model and carried.is_file() else DEFAULT_RECIPE), set_)
     run = workflow.run_dir(r, workdir)
-    results = run_evaluate(r, model or str(run / "hf"), workdir=workdir, out_dir=str(run / "eval"),
+    target = Path(model) if model else run / "hf"
+    results = run_evaluate(r, str(target), workdir=workdir, out_dir=str(_evaluation_dir(target, run, workdir)),
                            humaneval=humaneval or None, allow_code_execution=allow_code_execution,
                            num_samples=_number(num_samples, int), temperature=_number(temperature, float),
                            top_p=_number(top_p, float), max_new_tokens=_number(max_new_tokens, int),
                            problems=_number(problems, int), device=device, dtype=dtype,
                            generation_batch=_number(generation_batch, int), workers=_number(workers, int),
                            unsafe_weak_isolation=unsafe_weak_isolation)
+    _print_evaluation_summary(results)
+
+
+def _print_evaluation_summary(results: dict) -> None:
     summary = {k: v for k, v in results.items() if k.startswith("pass@")}
     summary.update({f"{split}_{m}": r[m] for split, r in results.get("perplexity", {}).items() for m in ("loss", "ppl")})
     print(json.dumps(summary, indent=2))
+
+
+def _carried_recipe(directory: Path, set_) -> None:
+    """Print the recipe a checkpoint or converted directory carries (recipe.yaml), where it has one."""
+    from megatron_core.checkpoint_format import RECIPE_FILENAME
+
+    if (directory / RECIPE_FILENAME).is_file():
+        _load(str(directory / RECIPE_FILENAME), set_)
+
+
+def _evaluation_dir(model: Path, run: Path, workdir) -> Path:
+    """Where a model's evaluation.json goes: the recipe run's eval/ for its own converted model; beside any
+    other model (<dir>-eval), so evaluating it never replaces another run's results; under the workdir,
+    keyed by the model's path, where its parent directory is not writable."""
+    import hashlib
+    import os
+
+    if model.resolve() == (run / "hf").resolve():
+        return run / "eval"
+    model = model.resolve()
+    if os.access(model.parent, os.W_OK):
+        return model.parent / f"{model.name}-eval"
+    key = hashlib.sha256(str(model).encode()).hexdigest()[:12]
+    return Path(workdir) / "evaluations" / f"{model.name}-{key}"
 
 
 def _number(value, kind):
@@ -325,16 +450,36 @@ def pipeline(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, human
 
     if _converted_iteration(run / "hf") != read_tracker(run / "checkpoints"):
         convert(c, recipe=recipe, set_=set_, workdir=workdir, overwrite=True)  # none yet, or an older one
-    evaluate(c, recipe=recipe, set_=set_, workdir=workdir, humaneval=humaneval,
-             allow_code_execution=allow_code_execution)
+    else:
+        workflow.log(f"convert: up to date in {run / 'hf'}")
+    earlier = _current_evaluation(run, humaneval or r.evaluate.humaneval)
+    if earlier:  # the same weights evaluated already, with what is asked: nothing rewritten
+        workflow.log(f"evaluate: up to date in {run / 'eval'}")
+        _print_evaluation_summary(earlier)
+    else:
+        evaluate(c, recipe=recipe, set_=set_, workdir=workdir, humaneval=humaneval,
+                 allow_code_execution=allow_code_execution)
+    print(f"pipeline: model {run / 'hf'}, evaluation {run / 'eval' / 'evaluation.md'}, loss curve "
+          f"{run / 'loss_curve.png'}; next: invoke evaluate --recipe {r.name} --humaneval --allow-code-execution, or "
+          f"AutoModelForCausalLM.from_pretrained('{run / 'hf'}')")
 
 
 def _converted_iteration(hf_dir: Path):
     """The checkpoint iteration a converted model was made from (its provenance file), or None."""
-    from megatron_core.convert.megatron_to_hf import PROVENANCE_FILE
+    from megatron_core.evaluate.runner import converted_iteration
 
-    provenance = hf_dir / PROVENANCE_FILE
-    return json.loads(provenance.read_text()).get("iteration") if provenance.exists() else None
+    return converted_iteration(hf_dir)
+
+
+def _current_evaluation(run: Path, humaneval: bool):
+    """The run's evaluation.json where it is of the converted model's very weights and holds what is asked
+    (perplexity, and HumanEval when asked); else None."""
+    from megatron_core.evaluate.runner import earlier_results, hf_model_hash
+
+    results = earlier_results(run / "eval")
+    if not results or not (run / "hf").is_dir() or results.get("model_hash") != hf_model_hash(run / "hf"):
+        return None
+    return results if "perplexity" in results and (not humaneval or "humaneval" in results) else None
 
 
 # ----------------------------------------------------------------------------------------------

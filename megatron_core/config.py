@@ -505,6 +505,20 @@ def _field_default(cls: type, name: str) -> Any:
     return next(f.default for f in dataclasses.fields(cls) if f.name == name)
 
 
+def lr_warmup_problem(t: TrainingConfig) -> Optional[str]:
+    """The warm-up a short run cannot fit (a decaying schedule needs decay iterations after the warm-up),
+    as one line naming the key and a value that works: a tenth of the decay iterations, Megatron's
+    lr_warmup_fraction idea. None when the schedule fits."""
+    decaying = t.lr_decay_style != "constant"
+    if t.lr_warmup_iters < t.decay_iters or (not decaying and t.lr_warmup_iters == t.decay_iters):
+        return None
+    decay_key = "training.lr_decay_iters" if t.lr_decay_iters is not None else "training.train_iters"
+    must = f"must be below {decay_key} {t.decay_iters} for {t.lr_decay_style} decay" if decaying else \
+        f"exceeds {decay_key} {t.decay_iters}"
+    return (f"training.lr_warmup_iters {t.lr_warmup_iters} {must}; add --set training.lr_warmup_iters="
+            f"{t.decay_iters // 10} (a tenth of the run), or raise {decay_key} above {t.lr_warmup_iters}")
+
+
 def validate(recipe: Recipe) -> None:
     """Refuse impossible combinations before any work starts."""
     m, p, t = recipe.model, recipe.parallel, recipe.training
@@ -570,10 +584,9 @@ def validate(recipe: Recipe) -> None:
     if t.optimizer == "apex" and t.device == "cpu":
         problems.append("training.optimizer 'apex' (Apex's FusedAdam) runs on CUDA only but training.device is "
                         "cpu: use --set optimizer=adam (torch's AdamW)")
-    if t.lr_warmup_iters > t.decay_iters:
-        problems.append(
-            f"training.lr_warmup_iters {t.lr_warmup_iters} > lr_decay_iters {t.decay_iters}"
-        )
+    warmup_problem = lr_warmup_problem(t)
+    if warmup_problem:
+        problems.append(warmup_problem)
     if t.min_lr > t.lr:
         problems.append(f"training.min_lr {t.min_lr} > training.lr {t.lr}")
     for name, value in (("hidden_dropout", m.hidden_dropout), ("attention_dropout", m.attention_dropout)):

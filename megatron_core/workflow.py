@@ -15,13 +15,16 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 from megatron_core.config import Recipe
 from megatron_core.data.hub import hub_commit
 from megatron_core.errors import UserError
 
 MANIFEST = "manifest.json"
+# Steps ask for their inputs again (data -> tokenizer -> corpus, and corpus once more): within one outer
+# ensure_* call each step is reported once. None outside such a call.
+_reported: Optional[set] = None
 
 
 def log(message: str) -> None:
@@ -80,7 +83,9 @@ def _build(step: Step, recipe: Recipe, build: Callable[[Path], dict], force: boo
     """Run `build(tmp_dir) -> manifest fields` unless the step is done; publish atomically."""
     remove_stale_staging(step.directory)
     if step.done and not force:
-        log(f"{step.name}: up to date in {step.directory}")
+        if _reported is None or step.directory not in _reported:
+            log(f"{step.name}: up to date in {step.directory}")
+        _remember_reported(step)
         return step
     tmp = step.directory.with_name(step.directory.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -106,7 +111,32 @@ def _build(step: Step, recipe: Recipe, build: Callable[[Path], dict], force: boo
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     log(f"{step.name}: done in {time.time() - start:.1f} s")
+    _remember_reported(step)  # no "up to date" line after "done"
     return step
+
+
+def _remember_reported(step: Step) -> None:
+    if _reported is not None:
+        _reported.add(step.directory)
+
+
+def _reports_once(ensure: Callable) -> Callable:
+    """An ensure_* step: the steps it (and what it calls) reaches are reported once, not once per caller."""
+    import functools
+
+    @functools.wraps(ensure)
+    def wrapper(*args, **kwargs):
+        global _reported
+        outermost = _reported is None
+        if outermost:
+            _reported = set()
+        try:
+            return ensure(*args, **kwargs)
+        finally:
+            if outermost:
+                _reported = None
+
+    return wrapper
 
 
 # ----------------------------------------------------------------------------------------------
@@ -114,6 +144,7 @@ def _build(step: Step, recipe: Recipe, build: Callable[[Path], dict], force: boo
 # ----------------------------------------------------------------------------------------------
 
 
+@_reports_once
 def ensure_corpus(recipe: Recipe, workdir, force: bool = False) -> Step:
     """Build the corpus step unless it is done."""
     from megatron_core.data.corpus import build_corpus
@@ -142,6 +173,7 @@ def corpus_path(recipe: Recipe, workdir) -> Path:
     return _done_step(recipe, workdir, "corpus", "corpus").directory / "corpus.jsonl"
 
 
+@_reports_once
 def ensure_tokenizer(recipe: Recipe, workdir, force: bool = False) -> Step:
     """Build the tokenizer step (and the corpus it is trained on) unless it is done."""
     from megatron_core.data import tokenizer as tok
@@ -230,6 +262,7 @@ def _iter_corpus_texts(path: Path, keys: list):
                         f"{', '.join(sorted(other_keys))}: set data.json_keys (e.g. --set data.json_keys=[content])")
 
 
+@_reports_once
 def ensure_data(recipe: Recipe, workdir, force: bool = False) -> Step:
     """Build the .bin/.idx step (and the corpus and tokenizer it needs) unless it is done."""
     from megatron_core.data.preprocess import preprocess as run_preprocess
@@ -274,6 +307,7 @@ def data_prefixes(recipe: Recipe, workdir) -> list:
     return [x for p in prefixes for x in (1.0, p)]
 
 
+@_reports_once
 def ensure_training_inputs(recipe: Recipe, workdir) -> None:
     """Build what training reads unless it is done: the tokenizer, and the .bin/.idx unless the
     recipe names its own data_path."""

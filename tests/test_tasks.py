@@ -37,7 +37,7 @@ def test_pipeline_trains_converts_and_evaluates(smoke_pipeline):
     assert config["model_type"] == "gpt2" and config["n_layer"] == 2
     results = json.loads((run / "eval" / "evaluation.json").read_text())
     assert set(results["perplexity"]) == {"valid", "test"}
-    summary = json.loads(proc.stdout[proc.stdout.rindex("{"):])  # evaluate prints its summary last
+    summary = json.loads(proc.stdout[proc.stdout.rindex("{"):proc.stdout.rindex("}") + 1])  # evaluate's, then a pointer line
     assert summary["valid_ppl"] == pytest.approx(results["perplexity"]["valid"]["ppl"])
     assert (run / "loss_curve.png").stat().st_size > 0
 

@@ -17,7 +17,7 @@ from typing import Optional, Union
 
 import torch
 
-from megatron_core.checkpoint_format import tokenizer_copies
+from megatron_core.checkpoint_format import RECIPE_FILENAME, tokenizer_copies
 from megatron_core.convert.gpt2_mapping import megatron_to_gpt2_state
 from megatron_core.convert.shards import MergedCheckpoint, ModelShape, read_checkpoint
 from megatron_core.errors import UserError
@@ -105,9 +105,11 @@ def find_tokenizer_files(ckpt: MergedCheckpoint, vocab_file=None, merge_file=Non
     raise UserError(f"cannot find the run's vocab.json/merges.txt (tried {tried}); pass --vocab-file and --merge-file")
 
 
-def save_tokenizer(vocab: Path, merges: Path, out_dir: Path):
+def save_tokenizer(vocab: Path, merges: Path, out_dir: Path, model_max_length: Optional[int] = None):
     """GPT2TokenizerFast from the files (from_pretrained on a dir: the `vocab_file=` kwargs build an
-    empty tokenizer in transformers 5, docs/hf-conversion.md "Tokenizer files") and save it; returns the tokenizer."""
+    empty tokenizer in transformers 5, docs/hf-conversion.md "Tokenizer files") and save it; returns the tokenizer.
+    `model_max_length`: the model's positions (else transformers writes 1e30, and text past the positions
+    reaches the model and fails there with an IndexError)."""
     from transformers import GPT2TokenizerFast
 
     with tempfile.TemporaryDirectory() as src:
@@ -115,7 +117,8 @@ def save_tokenizer(vocab: Path, merges: Path, out_dir: Path):
         shutil.copyfile(merges, Path(src) / "merges.txt")
         vocab_map = json.loads(Path(vocab).read_text())
         special = {k: EOD_TOKEN for k in ("bos_token", "eos_token", "unk_token")} if EOD_TOKEN in vocab_map else {}
-        tokenizer = GPT2TokenizerFast.from_pretrained(src, **special)
+        limit = {"model_max_length": model_max_length} if model_max_length else {}
+        tokenizer = GPT2TokenizerFast.from_pretrained(src, **special, **limit)
     if not tokenizer.encode("def f(x):\n    return x"):
         raise UserError(f"tokenizer from {vocab} encodes text to nothing; the vocab/merges files are broken")
     tokenizer.save_pretrained(out_dir)
@@ -189,7 +192,8 @@ def convert_checkpoint(
     save.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{save.name}.tmp-", dir=save.parent))
     try:
-        tokenizer = save_tokenizer(vocab, merges, tmp)
+        positions = ckpt.shape.max_position_embeddings
+        tokenizer = save_tokenizer(vocab, merges, tmp, model_max_length=positions)
         eod_id = eod_id_of(tokenizer)
         if eod_id is None:
             print(f"convert: warning: the vocab has no {EOD_TOKEN}; bos/eos left unset", flush=True)
@@ -198,8 +202,11 @@ def convert_checkpoint(
                             f"{ckpt.shape.padded_vocab_size} embedding rows; wrong --vocab-file?")
         config = gpt2_config(ckpt.shape, eod_id, out_dtype, ckpt.args)
         config.save_pretrained(tmp)
-        _generation_config(eod_id).save_pretrained(tmp)
+        _generation_config(eod_id, positions).save_pretrained(tmp)
         files = write_weights(state, tmp, format)
+        carried_recipe = Path(ckpt.source).parent / RECIPE_FILENAME
+        if carried_recipe.is_file():  # the run's recipe travels with the model: evaluate --model reads it
+            shutil.copyfile(carried_recipe, tmp / RECIPE_FILENAME)
         recipe = ckpt.recipe or {}
         summary = {
             "recipe_name": recipe.get("name"),
@@ -217,6 +224,7 @@ def convert_checkpoint(
             "save": str(save),
         }
         (tmp / PROVENANCE_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+        _readable_by_all(tmp)
         publish_dir(tmp, save, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -226,7 +234,18 @@ def convert_checkpoint(
     return summary
 
 
-def _generation_config(eod_id):
+def _generation_config(eod_id, max_length: int):
+    """max_length: the model's positions, so that a generate() without max_new_tokens stops there."""
     from transformers import GenerationConfig
 
-    return GenerationConfig(bos_token_id=eod_id, eos_token_id=eod_id, pad_token_id=eod_id)
+    return GenerationConfig(bos_token_id=eod_id, eos_token_id=eod_id, pad_token_id=eod_id, max_length=max_length)
+
+
+def _readable_by_all(directory: Path) -> None:
+    """mkdtemp makes 0700 and safetensors writes 0600: give the model the modes an ordinary directory and files
+    get under the umask (0755/0644 by default), so others on a shared disk can read it."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(directory, 0o777 & ~umask)
+    for path in directory.iterdir():
+        os.chmod(path, 0o666 & ~umask)

@@ -38,6 +38,8 @@ class LoadedModel:
         self.context_window: int = model.config.max_position_embeddings
         self.vocab_size: int = model.config.vocab_size
         self.description = f"{description} on {placement.describe()}"
+        self.path: Optional[str] = None  # the directory it was read from (None: a model handed over in memory)
+        self.iteration = None  # the checkpoint iteration its weights are from, where known
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=ids.to(self.placement.device)).logits
@@ -108,8 +110,10 @@ def load_for_evaluation(model, tokenizer=None, placement: Placement = CPU,
         ckpt = read_checkpoint(path)
         tok = tokenizer or _tokenizer_for_checkpoint(path, ckpt.args)
         hf = _gpt2_in_memory(ckpt.state, ckpt.shape, ckpt.args, eod_id_of(tok), placement, attn_implementation)
-        return LoadedModel(hf, tok, f"{ckpt.recipe_hash}-it{ckpt.iteration}-{_state_hash(ckpt.state)}",
-                           f"GPTModel from {path} (converted in memory, {attn_implementation})", placement)
+        loaded = LoadedModel(hf, tok, f"{ckpt.recipe_hash}-it{ckpt.iteration}-{_state_hash(ckpt.state)}",
+                             f"GPTModel from {path} (converted in memory, {attn_implementation})", placement)
+        loaded.path, loaded.iteration = str(path.resolve()), ckpt.iteration
+        return loaded
     if (path / "config.json").exists():
         from transformers import AutoModelForCausalLM
 
@@ -120,12 +124,34 @@ def load_for_evaluation(model, tokenizer=None, placement: Placement = CPU,
             raise UserError(f"{path} has a config.json but no loadable model: {str(exc).splitlines()[0]}") from None
         if not placement.device_map:
             hf.to(placement.device)
-        weights = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin"))
         tok = tokenizer or _tokenizer_from_dir(path)
-        return LoadedModel(hf, tok, _file_hash(weights), f"{type(hf).__name__} from {path} ({attn_implementation})",
-                           placement)
+        loaded = LoadedModel(hf, tok, hf_model_hash(path), f"{type(hf).__name__} from {path} ({attn_implementation})",
+                             placement)
+        loaded.path, loaded.iteration = str(path.resolve()), converted_iteration(path)
+        return loaded
     raise UserError(f"{path} is neither a Hugging Face model dir (config.json) nor a Megatron checkpoint "
                     f"(latest_checkpointed_iteration.txt); pass --model the converted hf/ dir or the checkpoints/ dir")
+
+
+def hf_model_hash(path: Path) -> str:
+    """The hash evaluation.json names a Hugging Face model directory by: its weight files."""
+    return _file_hash(sorted(p for p in Path(path).iterdir() if p.suffix in (".safetensors", ".bin")))
+
+
+def converted_iteration(hf_dir: Path):
+    """The checkpoint iteration a converted model was made from (its provenance.json), or None."""
+    from megatron_core.convert.megatron_to_hf import PROVENANCE_FILE
+
+    provenance = Path(hf_dir) / PROVENANCE_FILE
+    return json.loads(provenance.read_text()).get("iteration") if provenance.is_file() else None
+
+
+def earlier_results(out_dir: Path) -> Optional[dict]:
+    """The evaluation.json already in out_dir, or None (absent or unreadable)."""
+    try:
+        return json.loads((Path(out_dir) / "evaluation.json").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def recipe_datasets(recipe, workdir) -> dict:
@@ -195,7 +221,13 @@ class HumanEvalSampler:
 
     def __call__(self, prompts: list[str], n: int) -> tuple[list[list[str]], int]:
         tok = self.loaded.tokenizer
-        ids = [tok.encode(p)[-self.max_prompt:] for p in prompts]  # long prompts keep their end
+        ids = [tok.encode(p) for p in prompts]
+        cut = sum(len(i) > self.max_prompt for i in ids)
+        if cut:  # the model has no positions past its context window: long prompts keep their end
+            print(f"humaneval: {cut} prompt(s) longer than {self.max_prompt} tokens keep their last {self.max_prompt} "
+                  f"(the model has {self.loaded.context_window} positions, {self.settings.max_new_tokens} of them "
+                  "for new tokens)", flush=True)
+        ids = [i[-self.max_prompt:] for i in ids]
         uniforms = torch.cat([self.uniforms(p, n) for p in prompts])
         owner = [i for i in range(len(prompts)) for _ in range(n)]  # the prompt of each row
         tokens: list[list[int]] = []
@@ -262,7 +294,8 @@ def evaluate(recipe, model: Union[str, Path, torch.nn.Module], *, workdir=".", o
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"evaluate: {loaded.description}, model hash {loaded.model_hash}", flush=True)
     results: dict = {"recipe": recipe.name, "recipe_hash": recipe.hash, "model": loaded.description,
-                     "model_hash": loaded.model_hash}
+                     "model_hash": loaded.model_hash, "model_path": loaded.path,
+                     "checkpoint_iteration": loaded.iteration}
     if do_ppl:
         datasets = datasets if datasets is not None else recipe_datasets(recipe, workdir)
         limit = max_batches if max_batches is not None else recipe.training.eval_iters
@@ -278,6 +311,12 @@ def evaluate(recipe, model: Union[str, Path, torch.nn.Module], *, workdir=".", o
         he["generation"].update({**placement.to_json(), "batch": sampler.batch})
         results["humaneval"] = he
         results.update({k: v for k, v in he.items() if k.startswith("pass@")})
+    earlier = earlier_results(out_dir)
+    if not do_he and earlier and earlier.get("model_hash") == loaded.model_hash and "humaneval" in earlier:
+        # the same model's HumanEval, from an earlier --humaneval run: kept unless HumanEval is asked for again
+        print("evaluate: keeping the earlier HumanEval results of this model (--humaneval recomputes them)", flush=True)
+        results["humaneval"] = earlier["humaneval"]
+        results.update({k: v for k, v in earlier.items() if k.startswith("pass@")})
     results["reference"] = dict(e.reference)
     _write_atomic(out_dir / "evaluation.json", json.dumps(results, indent=2, default=str) + "\n")
     _write_atomic(out_dir / "evaluation.md", f"# {recipe.name}: evaluation\n\n{markdown_table(results, e.reference)}")

@@ -31,8 +31,10 @@ def megatron_train_line(*, iteration: int, train_iters: int, consumed_samples: i
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     loss = f" lm loss: {lm_loss:.6E} |" if lm_loss is not None else ""
     norm = f" grad norm: {grad_norm:.3f} |" if grad_norm is not None else ""
+    # Megatron's one decimal, but a CPU's few GFLOP/s keep three significant digits instead of reading 0.0
+    tflops_text = f"{tflops:.1f}" if tflops >= 1 else f"{tflops:.3g}"
     return (f" [{stamp}] iteration {iteration:8d}/{train_iters:8d} | consumed samples: {consumed_samples:12d} |"
-            f" elapsed time per iteration (ms): {elapsed_ms:.1f} | throughput per GPU (TFLOP/s/GPU): {tflops:.1f} |"
+            f" elapsed time per iteration (ms): {elapsed_ms:.1f} | throughput per GPU (TFLOP/s/GPU): {tflops_text} |"
             f" learning rate: {lr:.6E} | global batch size: {global_batch_size:5d} |{loss}"
             f" loss scale: {loss_scale:.1f} |{norm} number of skipped iterations: {skipped:3d} |"
             f" number of nan iterations: {nan:3d} |{extra}")
