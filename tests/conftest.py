@@ -1,23 +1,9 @@
-"""Suite-wide test settings: the tokenizer's verdict cache lives in a temporary directory, so the
-tests neither read verdicts a user's runs left in ~/.cache nor leave any there; and torch's generator is
-seeded per test and per module, from their names."""
+"""Suite-wide test settings: torch's generator is seeded per test and per module, from their names."""
 
-import os
 import zlib
 
 import pytest
 import torch
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _private_tokenizer_cache(tmp_path_factory):
-    previous = os.environ.get("MEGATRON_CORE_TOKENIZER_CACHE")
-    os.environ["MEGATRON_CORE_TOKENIZER_CACHE"] = str(tmp_path_factory.mktemp("tokenizer-cache"))
-    yield
-    if previous is None:
-        os.environ.pop("MEGATRON_CORE_TOKENIZER_CACHE", None)
-    else:
-        os.environ["MEGATRON_CORE_TOKENIZER_CACHE"] = previous
 
 
 def _seed_torch(nodeid: str) -> None:

@@ -135,18 +135,7 @@ def test_blend_of_two_prefixes_matches_megatron_core(data, tmp_path):
         _assert_same(r, o)
 
 
-SAMPLE_INDEX_BUILDERS = pytest.mark.parametrize("build", [
-    pytest.param(gpt_dataset.build_sample_index, id="compiled"),
-    pytest.param(gpt_dataset.build_sample_index_numpy, id="numpy"),
-])
-
-
-def test_the_compiled_sample_index_is_in_use():
-    assert gpt_dataset._compiled_sample_index_kernel() is not None  # numba is a dependency
-
-
-@SAMPLE_INDEX_BUILDERS
-def test_sample_index_equals_megatron_helper_with_empty_documents(build):
+def test_sample_index_equals_megatron_helper_with_empty_documents():
     *_, helpers = _megatron_datasets_modules()
     rng = np.random.default_rng(1)
     for trial in range(100):
@@ -158,12 +147,11 @@ def test_sample_index_equals_megatron_helper_with_empty_documents(build):
         np.random.RandomState(trial).shuffle(document_index)
         tokens = epochs * int(lengths.sum())
         expected = helpers.build_sample_idx(lengths, document_index, seq_length, epochs, int(lengths.sum()), True, True)
-        got = build(lengths, document_index, seq_length, tokens)
+        got = gpt_dataset.build_sample_index(lengths, document_index, seq_length, tokens)
         assert got.dtype == expected.dtype and np.array_equal(got, expected), trial
 
 
-@SAMPLE_INDEX_BUILDERS
-def test_int64_sample_index_for_huge_datasets_has_the_same_values(monkeypatch, build):
+def test_int64_sample_index_for_huge_datasets_has_the_same_values(monkeypatch):
     """The int64 path (more than 2**31 samples, documents or tokens in one document) computes what the
     int32 path does; forced here by lowering the limit."""
     rng = np.random.default_rng(3)
@@ -172,9 +160,9 @@ def test_int64_sample_index_for_huge_datasets_has_the_same_values(monkeypatch, b
     np.random.RandomState(0).shuffle(document_index)
     tokens = 3 * int(lengths.sum())
     for seq_length in (16, 37):
-        narrow = build(lengths, document_index, seq_length, tokens)
+        narrow = gpt_dataset.build_sample_index(lengths, document_index, seq_length, tokens)
         monkeypatch.setattr(gpt_dataset, "INT32_INDEX_LIMIT", 0)
-        wide = build(lengths, document_index, seq_length, tokens)
+        wide = gpt_dataset.build_sample_index(lengths, document_index, seq_length, tokens)
         monkeypatch.undo()
         assert narrow.dtype == np.int32 and wide.dtype == np.int64 and np.array_equal(narrow, wide)
 
@@ -205,7 +193,7 @@ def test_cache_is_reused_and_seed_changes_its_name(data, tmp_path):
     assert {f: os.stat(tmp_path / f).st_mtime_ns for f in files} == mtimes
     assert isinstance(second[0].shuffle_index, np.memmap)
     assert torch.equal(first[0][7]["tokens"], second[0][7]["tokens"])
-    assert not any(".tmp-" in f for f in files)
+    assert not any(".tmp" in f for f in files)
 
     gpt_dataset.build_gpt_datasets(data["a"], seed=2, **kwargs)
     assert gpt_dataset.BUILD_COUNTER["gpt"] == before + 6

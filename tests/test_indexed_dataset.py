@@ -109,10 +109,10 @@ def test_reader_roundtrip_every_impl(tmp_path, impl):
     assert ds[-1].tolist() == seqs[-1]
     assert ds.get(2, offset=1, length=3).tolist() == [2, 3, 4]
     assert ds.get(2, offset=3).tolist() == [4, 65000]
-    assert ds.sequence_lengths.dtype == np.int32 and ds.sizes is ds.sequence_lengths
+    assert ds.sequence_lengths.dtype == np.int32
     assert ds.document_indices.dtype == np.int64
     assert ds.document_indices.tolist() == _document_indices(DOCUMENTS)
-    assert ds.sequence_pointers.tolist() == (np.concatenate([[0], np.cumsum(ds.sizes[:-1])]) * 2).tolist()
+    assert ds.sequence_pointers.tolist() == (np.concatenate([[0], np.cumsum(ds.sequence_lengths[:-1])]) * 2).tolist()
     with pytest.raises(IndexError):
         ds[len(ds)]
     with pytest.raises(IndexError):

@@ -26,6 +26,7 @@ from typing import Iterator, Optional
 
 from megatron_core.data.hub import hub_commit
 from megatron_core.errors import UserError
+from megatron_core.files import replace_atomically
 
 SOURCE_TYPES = ("python-stdlib", "jsonl", "hf-dataset")
 _EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
@@ -146,11 +147,12 @@ def build_corpus(sources: list, out_path, max_documents: Optional[int] = None, m
     Stops before the document that would exceed max_documents or max_bytes (of content, UTF-8)."""
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(f"{out_path.name}.tmp-{os.getpid()}")
     documents = content_bytes = 0
     per_source: dict[str, int] = {}
     resolved: dict[str, str] = {}  # hf-dataset name -> the commit its revision resolved to
-    try:
+
+    def write(tmp: Path) -> None:
+        nonlocal documents, content_bytes
         with open(tmp, "w", encoding="utf-8") as f:
             for doc in iter_documents(sources):
                 size = len(doc["content"].encode("utf-8"))
@@ -166,10 +168,8 @@ def build_corpus(sources: list, out_path, max_documents: Optional[int] = None, m
                     resolved[doc["dataset"]] = doc["revision"]
         if documents == 0:
             raise UserError(f"the corpus sources {sources!r} gave no documents; check them (and max_documents/max_bytes)")
-        os.replace(tmp, out_path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+
+    replace_atomically(out_path, write)
     summary = {"documents": documents, "content_bytes": content_bytes, "per_source": per_source, "path": str(out_path),
                "resolved_revisions": resolved}
     if any(source.get("type") == "python-stdlib" for source in sources):

@@ -13,17 +13,13 @@ the same order as a Megatron-LM run over the same files:
 They are built once (rank 0), saved as `.npy` under `cache_dir` with a name hashed from every
 input that determines them, and memory-mapped by every rank and every later run.
 
-Megatron builds the sample index with a compiled C++ loop. Here one loop over the documents is
-compiled by numba when it is installed (a dependency of the project; about 0.1 s for CodeParrot's
-28.8 million samples); the numpy version beside it is the reference, vectorized: sample k starts at
-flat token position k * seq_length of the concatenated documents, so the samples starting in each
-document are counted from the cumulative document lengths and spread with `np.repeat`. Both are
-tested equal to megatron-core's helper.
+Megatron builds the sample index with a compiled C++ loop; here the same loop over the documents is
+compiled by numba (about 0.1 s for CodeParrot's 28.8 million samples), tested equal to megatron-core's
+helper.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import hashlib
@@ -32,7 +28,7 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -163,8 +159,6 @@ def build_sample_index(sequence_lengths: np.ndarray, document_index: np.ndarray,
     if seq_length < 2:
         raise GPTDatasetError(f"seq_length {seq_length} must be at least 2")
     kernel = _compiled_sample_index_kernel()
-    if kernel is None:
-        return build_sample_index_numpy(sequence_lengths, document_index, seq_length, tokens_in_index)
     size = (tokens_in_index - 1) // seq_length + 1
     wide = max(document_index.shape[0], int(sequence_lengths.max()), size) > INT32_INDEX_LIMIT
     sample_index = np.empty((size, 2), dtype=np.int64 if wide else np.int32)
@@ -175,12 +169,8 @@ def build_sample_index(sequence_lengths: np.ndarray, document_index: np.ndarray,
 
 @functools.lru_cache(maxsize=None)
 def _compiled_sample_index_kernel():
-    """The compiled loop, or None (logged once) where numba is not installed."""
-    try:
-        import numba
-    except ImportError:
-        log("sample index: numba is not installed, using the numpy version (slower on large datasets)")
-        return None
+    """The compiled loop (numba is imported here, when first needed: it takes a while)."""
+    import numba
 
     def fill(sequence_lengths, document_index, seq_length, out):
         # Walk the documents in document-index order; row k takes the document p that holds flat
@@ -203,37 +193,6 @@ def _compiled_sample_index_kernel():
         return numba.njit(cache=True, nogil=True)(fill)
     except RuntimeError:  # a read-only installation: no cache, compiled once per process
         return numba.njit(nogil=True)(fill)
-
-
-def build_sample_index_numpy(sequence_lengths: np.ndarray, document_index: np.ndarray, seq_length: int, tokens_in_index: int) -> np.ndarray:
-    """The reference: build_sample_index vectorized with numpy."""
-    num_samples = (tokens_in_index - 1) // seq_length
-    wide = max(document_index.shape[0], int(sequence_lengths.max()), num_samples + 1) > INT32_INDEX_LIMIT
-    dtype = np.int64 if wide else np.int32
-
-    lengths = sequence_lengths[document_index].astype(np.int64)
-    ends = np.cumsum(lengths)
-    assert int(ends[-1]) == tokens_in_index, (int(ends[-1]), tokens_in_index)
-    starts = ends - lengths
-    # Samples whose first token lies in document position p: k with starts[p] <= k*S < ends[p].
-    first_sample = (starts + (seq_length - 1)) // seq_length
-    samples_starting = (ends + (seq_length - 1)) // seq_length - first_sample
-    del lengths, ends, first_sample
-
-    sample_index = np.empty((num_samples + 1, 2), dtype=dtype)
-    sample_index[:, 0] = np.repeat(np.arange(document_index.shape[0], dtype=dtype), samples_starting)
-    if wide:
-        sample_index[:, 1] = np.arange(num_samples + 1, dtype=np.int64) * seq_length - np.repeat(starts, samples_starting)
-    else:
-        # offset = k*S - start of its document, < 2**31; computed mod 2**32 in uint32 it is exact
-        # and needs half the memory traffic of int64.
-        offsets = np.arange(num_samples + 1, dtype=np.uint32)
-        offsets *= np.uint32(seq_length)
-        offsets -= np.repeat(starts.astype(np.uint32), samples_starting)
-        sample_index[:, 1] = offsets.view(np.int32)
-    # Megatron's loop starts at (0, 0) even when the first documents are empty.
-    sample_index[0] = (0, 0)
-    return sample_index
 
 
 def build_shuffle_index(num_first: int, total: int, rng: np.random.RandomState) -> np.ndarray:
@@ -260,11 +219,8 @@ class GPTIndices:
 
 
 def build_gpt_indices(sequence_lengths: np.ndarray, documents: np.ndarray, seq_length: int, num_samples: Optional[int],
-                      seed: int, sink: Optional[Callable[[str, np.ndarray], None]] = None) -> GPTIndices:
-    """The three indices for one split: documents are its sequence ids, sequence_lengths the whole dataset's.
-    `sink(name, array)` is handed each index as soon as it is built (the cache writes it to disk while
-    the shuffle index is still being drawn)."""
-    sink = sink or (lambda name, array: None)
+                      seed: int) -> GPTIndices:
+    """The three indices for one split: documents are its sequence ids, sequence_lengths the whole dataset's."""
     tokens_per_epoch = int(np.sum(sequence_lengths[documents], dtype=np.int64))
     if tokens_per_epoch < 2:
         raise GPTDatasetError(
@@ -281,15 +237,8 @@ def build_gpt_indices(sequence_lengths: np.ndarray, documents: np.ndarray, seq_l
     t_sample = time.perf_counter()
     total = sample_index.shape[0] - 1
     num_first = plan.samples_before_last_epoch if plan.separate_last_epoch else total
-    # numpy's shuffle releases the GIL: the shuffle index is drawn on a second core while the first two
-    # indices are written out (drawing it beside the sample index instead was slower: both are memory-bound).
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        shuffled = pool.submit(build_shuffle_index, num_first, total, rng)
-        sink("document_index", document_index)
-        sink("sample_index", sample_index)
-        shuffle_index = shuffled.result()
+    shuffle_index = build_shuffle_index(num_first, total, rng)
     t_shuffle = time.perf_counter()
-    sink("shuffle_index", shuffle_index)
     log(
         f"  {plan.num_epochs} epoch(s) of {tokens_per_epoch} tokens, separate last epoch: "
         f"{plan.separate_last_epoch}, {total} samples; document index {t_doc - start:.2f} s, "
@@ -325,7 +274,6 @@ class IndexCache:
         self.key = hashlib.sha256(text.encode()).hexdigest()[:20]
         self.base = f"{self.key}-{kind}"
         self.names = tuple(names)
-        self._saved: set = set()
 
     def path(self, name: str) -> str:
         return os.path.join(self.cache_dir, f"{self.base}-{name}.npy")
@@ -339,21 +287,14 @@ class IndexCache:
             os.path.isfile(self.path(n)) for n in self.names
         )
 
-    def save_array(self, name: str, array: np.ndarray) -> None:
-        os.makedirs(self.cache_dir, exist_ok=True)
-        _save_npy_atomic(self.path(name), array)
-        self._saved.add(name)
-
     def save(self, arrays: Dict[str, np.ndarray]) -> None:
-        """Writes the arrays not written yet by save_array, then the description."""
+        """Writes the arrays, then the description."""
+        os.makedirs(self.cache_dir, exist_ok=True)
         for name in self.names:
-            if name not in self._saved:
-                self.save_array(name, arrays[name])
+            _save_npy_atomic(self.path(name), arrays[name])
         # The description goes last: its presence says every array before it is complete.
-        temporary = f"{self.description_path}.tmp-{os.getpid()}"
-        with open(temporary, "w") as handle:
-            json.dump(self.description, handle, indent=2, sort_keys=True)
-        os.replace(temporary, self.description_path)
+        text = json.dumps(self.description, indent=2, sort_keys=True)
+        replace_atomically(Path(self.description_path), lambda tmp: tmp.write_text(text))
 
     def load(self) -> Dict[str, np.ndarray]:
         return {name: np.load(self.path(name), mmap_mode="r", allow_pickle=False) for name in self.names}
@@ -384,14 +325,14 @@ def load_or_build(cache: IndexCache, build, what: str) -> Dict[str, np.ndarray]:
     files at once: each writes under its own temporary name and renames identical bytes into place."""
     if cache.cache_dir is None:
         log(f"{what}: no cache_dir, building in memory (nothing saved)")
-        return _timed_build(functools.partial(build, sink=None), what)
+        return _timed_build(build, what)
     if parallel_state.is_local_rank_zero() and cache.is_complete():
         damage = cache.damage()
         if damage:
             log(f"{what}: {damage}; rebuilding the index cache")
             cache.discard()
     if parallel_state.is_local_rank_zero() and not cache.is_complete():
-        arrays = _timed_build(functools.partial(build, sink=cache.save_array), what)
+        arrays = _timed_build(build, what)
         cache.save(arrays)
         log(f"{what}: saved {cache.base}-*.npy in {cache.cache_dir}")
     if _distributed():
@@ -495,9 +436,9 @@ def _gpt_split_datasets(prefix: str, indexed, split: str, seq_length: int, sizes
         cache = IndexCache(cache_dir, description, f"gpt-{name}", ("document_index", "sample_index", "shuffle_index"))
         documents = np.arange(begin, end, dtype=np.int32)
 
-        def build(documents=documents, size=size, sink=None):
+        def build(documents=documents, size=size):
             BUILD_COUNTER["gpt"] += 1
-            return build_gpt_indices(sequence_lengths, documents, seq_length, size, seed, sink).arrays()
+            return build_gpt_indices(sequence_lengths, documents, seq_length, size, seed).arrays()
 
         indices = load_or_build(cache, build, f"{name} split of {os.path.basename(prefix)} ({size} samples)")
         dataset = GPTDataset(indexed, indices, seq_length, name, eod_mask_token, vocab_size)
@@ -563,7 +504,7 @@ def _blended_datasets(prefixes, weights, split, seq_length, num_samples, seed, c
         }
         cache = IndexCache(cache_dir, description, f"blend-{name}", ("dataset_index", "dataset_sample_index"))
 
-        def build(size=size, sink=None):  # small arrays: saved together at the end
+        def build(size=size):
             BUILD_COUNTER["blend"] += 1
             dataset_index, dataset_sample_index = blending.timed_blending_indices(blend_weights, size, log)
             return {"dataset_index": dataset_index, "dataset_sample_index": dataset_sample_index}

@@ -386,10 +386,6 @@ class IndexedDataset:
         return self._index.sequence_lengths
 
     @property
-    def sizes(self) -> np.ndarray:
-        return self._index.sequence_lengths
-
-    @property
     def sequence_pointers(self) -> np.ndarray:
         return self._index.sequence_pointers
 

@@ -231,7 +231,7 @@ _worker_encoder: Optional[_Encoder] = None
 
 
 def _init_forked_worker(encoder: _Encoder) -> None:
-    """A forked worker shares the parent's tokenizer, already built and verified."""
+    """A forked worker shares the parent's tokenizer, already built."""
     global _worker_encoder
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     _worker_encoder = encoder
