@@ -250,7 +250,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--require", default="", help=f"comma-separated pieces that must be present: "
                                                       f"{', '.join(REQUIREMENTS)}")
     args = parser.parse_args(argv)
-    r = report()
+    try:
+        r = report()
+    except ImportError as exc:  # without torch nothing else can be probed (or trained): say so in one line
+        if (exc.name or "").partition(".")[0] != "torch":
+            raise
+        print(f"error: torch does not import in {sys.executable} ({exc}): install it (bash ci/bootstrap.sh makes "
+              ".venv with the CPU wheel) or use the Python that has it (. .venv/bin/activate)", file=sys.stderr)
+        return 2
     print(json.dumps(r, indent=2) if args.json else format_report(r), flush=True)
     try:
         check_requirements(r, [name.strip() for name in args.require.split(",") if name.strip()])

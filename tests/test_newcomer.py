@@ -71,7 +71,8 @@ def test_the_readme_training_example_is_accepted_and_a_too_short_run_names_the_k
     from megatron_core.pretrain_gpt import check_training_values
 
     readme = (ROOT / "README.md").read_text()
-    example = next(line for line in readme.splitlines() if line.startswith("invoke train --recipe codeparrot-tiny --set lr="))
+    form = "megatron-recipes train --recipe codeparrot-tiny --set lr="
+    example = next(line for line in readme.splitlines() if line.startswith(form))
     words = shlex.split(example, comments=True)
     overrides = [words[i + 1] for i, w in enumerate(words) if w == "--set"]
     check_training_values(load_recipe(words[words.index("--recipe") + 1], overrides))  # as `invoke train` checks it
@@ -123,7 +124,7 @@ def test_cuda_without_a_gpu_is_refused_before_launch(tmp_path):
 
 
 def test_a_load_without_a_checkpoint_is_refused_unless_from_scratch(smoke_run, tmp_path):
-    import tasks
+    from megatron_core import cli
 
     workdir, run, _ = smoke_run
     before = (run / "metrics.jsonl").read_bytes()
@@ -131,10 +132,10 @@ def test_a_load_without_a_checkpoint_is_refused_unless_from_scratch(smoke_run, t
     assert "no such directory" in one_line_error(*missing)
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="holds no checkpoint"):
-        tasks._check_load(tmp_path / "empty")
+        cli._check_load(tmp_path / "empty")
     with pytest.raises(UserError, match=f"did you mean --load {re.escape(str(run / 'checkpoints'))}"):
-        tasks._check_load(run)  # the run directory instead of its checkpoints/
-    tasks._check_load(run / "checkpoints")
+        cli._check_load(run)  # the run directory instead of its checkpoints/
+    cli._check_load(run / "checkpoints")
     assert (run / "metrics.jsonl").read_bytes() == before  # nothing trained
 
 

@@ -122,15 +122,14 @@ def test_training_continues_from_an_imported_hf_model(smoke_pipeline, tmp_path):
 
 
 def test_launch_splits_the_recipe_world_over_nodes_and_names_the_run_it_starts(monkeypatch, tmp_path):
-    import tasks
-    from megatron_core import config, workflow
+    from megatron_core import cli, config, workflow
 
     monkeypatch.setattr(workflow, "tokenizer_files", lambda r, w: (Path("v.json"), Path("m.txt")))
     monkeypatch.setattr(workflow, "data_prefixes", lambda r, w: ["data/prefix"])
 
     def launched(nproc, nnodes, set_=()):
-        r, overrides, per_node = tasks._launch_recipe("codeparrot-small-8gpu", list(set_), nproc, nnodes)
-        cmd = tasks._train_command(r, overrides, per_node, nnodes, 0, "node0", 29500, None, None, False, tmp_path)
+        r, overrides, per_node = cli._launch_recipe("codeparrot-small-8gpu", list(set_), nproc, nnodes)
+        cmd = cli._train_command(r, overrides, per_node, nnodes, 0, "node0", 29500, None, None, False, tmp_path)
         return r, cmd
 
     r, cmd = launched(0, 1)  # the recipe's 8 processes on one node
@@ -185,7 +184,7 @@ def test_readme_nproc_form_trains_and_resumes_under_another_layout(smoke_pipelin
 
     workdir, _, _ = smoke_pipeline
     readme = (ROOT / "README.md").read_text()
-    assert "invoke train --recipe codeparrot-tiny --nproc 2 --set tensor_model_parallel_size=2\n" in readme
+    assert "megatron-recipes train --recipe codeparrot-tiny --nproc 2 --set tensor_model_parallel_size=2\n" in readme
     assert "--nproc 2 --set pipeline_model_parallel_size=2 --load " in readme
     tp2 = invoke("train", "--recipe", "smoke", "--workdir", str(workdir), "--nproc", "2",
                  "--set", "tensor_model_parallel_size=2")
