@@ -96,7 +96,8 @@ def run(recipe_spec: str, overrides=(), workdir: str = "./work", fusions: str = 
             losses[side] = [step() for _ in range(steps)]
             snapshots[side] = _snapshot(model, optimizer)
             states[side] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            echo(f"{side} ({description['backends'].split(';')[0]}): losses {', '.join(f'{x:.6f}' for x in losses[side])}")
+            shown = ", ".join(f"{x:.6f}" for x in losses[side])
+            echo(f"{side} ({description['backends'].split(';')[0]}): losses {shown}")
             del step, model, optimizer
         tensors = compare_tensors(snapshots["reference"], snapshots["candidate"])
         forward = {f"{weights} weights, {side} fusions": forward_losses(setup, recipes[side], states[weights],
@@ -120,8 +121,9 @@ def run(recipe_spec: str, overrides=(), workdir: str = "./work", fusions: str = 
     echo(f"next step's micro batches: {verdict}")
     for row in tensors[:3]:
         echo(f"  largest difference: {row['tensor']} {row['max_abs_diff']:.3e} ({row['relative']:.2e} of its max)")
-    return {"benchmark": "drift", "recipe": setup.recipe.name, "overrides": list(overrides), "device": setup.device_name,
-            "precision": setup.precision, "reference_fusions": "torch", "candidate_fusions": fusions, "steps": steps,
+    return {"benchmark": "drift", "recipe": setup.recipe.name, "overrides": list(overrides),
+            "device": setup.device_name, "precision": setup.precision, "reference_fusions": "torch",
+            "candidate_fusions": fusions, "steps": steps,
             "losses": losses, "next_step_forward_losses": forward, "forward_gap": forward_gap,
             "update_gap": update_gap, "largest_relative_difference_by_kind": by_kind, "tensors": tensors[:TOP],
             "verdict": verdict}

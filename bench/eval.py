@@ -129,10 +129,10 @@ def run(problems: int = 2, samples: int = 8, batch: int = 8, max_new_tokens: int
     if ours_greedy != hf_greedy:
         raise RuntimeError(f"greedy decoding differs: ours {ours_greedy}, transformers {hf_greedy}")
 
-    def run_ours(prompt: str, ids: list[int]) -> int:
+    def run_ours(prompt: str, _ids: list[int]) -> int:
         return ours([prompt], samples)[1]
 
-    def run_hf(prompt: str, ids: list[int]) -> int:
+    def run_hf(_prompt: str, ids: list[int]) -> int:
         return sum(hf_generate(ids, batch, do_sample=True, temperature=settings.temperature, top_p=settings.top_p,
                                top_k=0).numel() for _ in range(samples // batch))
 

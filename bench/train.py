@@ -6,8 +6,9 @@
 Ours is the real training step (megatron_core.pretrain_gpt builds the model and optimizer, the Trainer runs
 the forward/backward schedule and the Megatron optimizer step). The baseline, with `--baseline hf`,
 is `transformers.GPT2LMHeadModel` (SDPA attention) + `torch.optim.AdamW` (fused on CUDA, foreach on
-a CPU, as a user of transformers would write it; ours runs torch's fused AdamW on a CPU too) with the same model size, starting weights (ours, converted), data, micro batches, gradient
-accumulation, precision (bf16/fp16: 16-bit weights and fp32 master copies on both sides), weight-decay groups, Adam settings, LR schedule and
+a CPU, as a user of transformers would write it; ours runs torch's fused AdamW on a CPU too) with the same model
+size, starting weights (ours, converted), data, micro batches, gradient accumulation, precision (bf16/fp16: 16-bit
+weights and fp32 master copies on both sides), weight-decay groups, Adam settings, LR schedule and
 clipping. Before timing, one step of each from the same weights must give the same loss when dropout
 is off, and in fp32 and bf16 the next two steps must stay close (otherwise the two would not be doing the same
 work). Runs alternate (ours, hf, hf, ours, ...) in one process; each side keeps its best run for its
@@ -506,7 +507,8 @@ def _run(setup, recipe, overrides, iters, warmup, repeats, baseline, write, echo
         # Which side of the roofline the missing time is on: our step's own matmuls against the roofline's
         # (layouts, weight reorders, cold caches: above 1 the GEMMs themselves are slow), or the work outside.
         split["matmul_over_roofline"] = split["matmul_ms_per_step"] / gemms["gemm_ms_per_iteration"]
-        echo(f"profile (under the profiler, so a little slower): our step's matmuls {split['matmul_ms_per_step']:.1f} ms "
+        echo("profile (under the profiler, so a little slower): "
+             f"our step's matmuls {split['matmul_ms_per_step']:.1f} ms "
              f"per iteration, {split['matmul_over_roofline']:.2f}x the roofline's GEMM time; everything else "
              f"{split['other_ms_per_step']:.1f} ms")
     result = {
@@ -570,7 +572,8 @@ def _run(setup, recipe, overrides, iters, warmup, repeats, baseline, write, echo
             "meets_target": min(ratio, best_runs) >= target if gemm_check["native"] else None,
         })
         echo(f"ours / transformers: {ratio:.2f}x, median of {rounds} paired rounds; {best_runs:.2f}x, best runs "
-             f"(target {target}x on the lower; at most {bound:.2f}x here: the baseline's step time over its GEMMs' time)")
+             f"(target {target}x on the lower; at most {bound:.2f}x here: "
+             "the baseline's step time over its GEMMs' time)")
     if write:
         result["results_file"] = str(write_results(result, results_dir))
     return result

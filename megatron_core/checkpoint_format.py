@@ -21,7 +21,6 @@ import json
 import os
 import re
 import shutil
-import threading
 import zlib
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -131,7 +130,8 @@ def model_chunks(checkpoint: dict, where="checkpoint") -> list[dict]:
         return [checkpoint["model"]]
     found = sorted(int(m[1]) for m in map(_MODEL_CHUNK_KEY.match, checkpoint) if m)
     if not found:
-        raise CheckpointError(f"{where} holds no 'model' (or 'model0', 'model1', ...) entry; it is not a model checkpoint")
+        raise CheckpointError(f"{where} holds no 'model' (or 'model0', 'model1', ...) entry; "
+                              "it is not a model checkpoint")
     if found != list(range(len(found))):
         raise CheckpointError(f"{where} holds model chunks {['model%d' % i for i in found]}; chunks are missing")
     return [checkpoint[f"model{i}"] for i in found]
@@ -406,25 +406,17 @@ def _is_disk_full(exc: BaseException) -> bool:
 
 
 def atomic_torch_save(obj: Any, path: Path) -> tuple[int, int]:
-    """torch.save to a temporary name, fsync, rename; returns the file's (size, crc32). The crc is
-    computed from the page cache while the fsync waits on the disk, so it adds little to a save."""
+    """torch.save through files.replace_atomically; returns the file's (size, crc32), read back from the
+    page cache before the fsync."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     result: list = []
-    try:
+
+    def write(tmp: Path) -> None:
         torch.save(obj, tmp)
-        hasher = threading.Thread(target=lambda: result.append(_crc32_file(tmp)), daemon=True)
-        hasher.start()
-        with open(tmp, "rb") as handle:
-            os.fsync(handle.fileno())
-        hasher.join()
-        if not result:
-            result.append(_crc32_file(tmp))  # the thread failed: hash here, raising its error
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        result.append(_crc32_file(tmp))
+
+    replace_atomically(path, write)
     return result[0]
 
 

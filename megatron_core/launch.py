@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import shutil
 import sys
+from pathlib import Path
 from typing import Optional, Sequence
 
 from megatron_core.errors import UserError
@@ -61,15 +62,48 @@ def torchrun_command(recipe_spec: str, overrides: Sequence[str], nproc: int, nno
     return cmd + list(extra_args)
 
 
+def _process_tree(root: int) -> list[int]:
+    """`root` and every process below it (torchrun starts each worker in a session of its own, so a
+    process group does not reach them), parents first."""
+    import os
+
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            children.setdefault(_parent(int(entry)), []).append(int(entry))
+    tree, queue = [], [root]
+    while queue:
+        pid = queue.pop(0)
+        tree.append(pid)
+        queue.extend(children.get(pid, []))
+    return tree
+
+
+def _children(pid: int) -> list[int]:
+    import os
+
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit() and _parent(int(entry)) == pid]
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            return int(handle.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
 def run_forwarding_signals(cmd: Sequence[str], grace_s: float = 600.0) -> int:
     """Run the trainer (or torchrun) and return its exit status, forwarding SIGINT and SIGTERM to it.
 
-    The child runs in its own process group, so a Ctrl-C at the terminal reaches this process only, and
-    each signal is forwarded to the child's whole group exactly once (torchrun and its workers): the
-    trainer saves at the end of its iteration and exits, and this process waits for it instead of killing
-    it midway (what subprocess.call does on KeyboardInterrupt). A job still running `grace_s` seconds
-    after the first signal, or at a third signal, gets SIGKILL. A child killed by a signal is reported as
-    128 + that signal, the shell's convention.
+    The child runs in a session of its own, so a Ctrl-C at the terminal reaches this process only. Each
+    signal is forwarded once to the trainers: the child itself when it is the trainer, else the processes
+    below it (torchrun's workers), not torchrun, whose own handler would kill its workers after 30 s. The
+    trainers save at the end of their iteration and exit; this process waits for them instead of killing
+    them midway (what subprocess.call does on KeyboardInterrupt). A job still running `grace_s` seconds
+    after the first signal, or at a third signal, gets SIGKILL, the whole tree. The status is the child's,
+    except that a job that a forwarded signal ended reports 128 + that signal, the shell's convention
+    (torchrun itself exits 1 when its workers stop).
     """
     import os
     import signal
@@ -77,14 +111,22 @@ def run_forwarding_signals(cmd: Sequence[str], grace_s: float = 600.0) -> int:
     import time
 
     child = subprocess.Popen(list(cmd), start_new_session=True)
-    received: list[float] = []  # when each signal came
+    via_torchrun = any(Path(arg).name == "torchrun" or arg == "torch.distributed.run" for arg in list(cmd)[:3])
+    received: list[tuple[float, int]] = []  # (when, which) of each signal
+
+    def send(sig: int, pids: list[int]) -> None:
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
 
     def forward(signum, frame):  # noqa: ARG001 - the signal handler's signature
-        received.append(time.monotonic())
-        try:
-            os.killpg(child.pid, signal.SIGKILL if len(received) >= 3 else signum)
-        except ProcessLookupError:
-            pass
+        received.append((time.monotonic(), signum))
+        if len(received) >= 3:
+            send(signal.SIGKILL, _process_tree(child.pid))
+        else:  # torchrun's workers are its children (their own children, e.g. compile workers, are theirs)
+            send(signum, _children(child.pid) if via_torchrun else [child.pid])
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -93,9 +135,11 @@ def run_forwarding_signals(cmd: Sequence[str], grace_s: float = 600.0) -> int:
                 rc = child.wait(timeout=1.0)
                 break
             except subprocess.TimeoutExpired:
-                if received and time.monotonic() - received[0] > grace_s:
-                    os.killpg(child.pid, signal.SIGKILL)
+                if received and time.monotonic() - received[0][0] > grace_s:
+                    send(signal.SIGKILL, _process_tree(child.pid))
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return 128 - rc if rc < 0 else rc
+    if rc < 0:
+        return 128 - rc
+    return 128 + received[0][1] if received and rc != 0 else rc

@@ -61,7 +61,8 @@ def validate_layout(world_size: int, tp: int, pp: int, num_attention_heads: Opti
         problems.append(f"world size {world_size} is not divisible by tensor_model_parallel_size {tp} x "
                         f"pipeline_model_parallel_size {pp} = {tp * pp}")
     if num_attention_heads is not None and num_attention_heads % tp:
-        problems.append(f"num_attention_heads {num_attention_heads} is not divisible by tensor_model_parallel_size {tp}")
+        problems.append(f"num_attention_heads {num_attention_heads} is not divisible by "
+                        f"tensor_model_parallel_size {tp}")
     if ffn_hidden_size is not None and ffn_hidden_size % tp:
         problems.append(f"ffn_hidden_size {ffn_hidden_size} is not divisible by tensor_model_parallel_size {tp}")
     if padded_vocab_size is not None and padded_vocab_size % tp:
@@ -195,6 +196,18 @@ def get_collective_device() -> str:
     return "cuda" if nccl else "cpu"
 
 
+def all_ranks_ok(ok: bool) -> bool:
+    """True on every rank when `ok` holds on every rank (collective): a check that one rank fails (its disk,
+    its lock) stops the whole job together instead of leaving the others waiting in a collective."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return ok
+    import torch
+
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device=get_collective_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item()) == 0
+
+
 def is_local_rank_zero() -> bool:
     """Local rank 0 of this node (torchrun's LOCAL_RANK; without it, global rank 0, or no process
     group at all): the process that looks after this node's files, so nodes need no shared disk."""
@@ -245,12 +258,6 @@ def get_tensor_model_parallel_rank() -> int:
 
 def get_tensor_model_parallel_world_size() -> int:
     return _group_world_size("tensor")
-
-
-def get_tensor_model_parallel_src_rank() -> int:
-    """Global rank of TP rank 0 in this rank's TP group (where a data batch is broadcast from)."""
-    entry = _group("tensor")
-    return entry.ranks[0] if entry else 0
 
 
 def get_pipeline_model_parallel_group() -> Optional[dist.ProcessGroup]:
@@ -312,20 +319,6 @@ def get_model_parallel_group() -> Optional[dist.ProcessGroup]:
     return _group_handle("model")
 
 
-def get_model_parallel_world_size() -> int:
-    return _group_world_size("model")
-
-
 def get_embedding_group() -> Optional[dist.ProcessGroup]:
     """First and last pipeline stage of this rank's pipeline (None on middle stages or uninitialized)."""
     return _group_handle("embedding")
-
-
-def is_rank_in_embedding_group() -> bool:
-    entry = _group("embedding")
-    return entry is None or (dist.is_initialized() and dist.get_rank() in entry.ranks)
-
-
-def get_embedding_group_world_size() -> int:
-    entry = _group("embedding")
-    return len(entry.ranks) if entry and entry.ranks else 1

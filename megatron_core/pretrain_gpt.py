@@ -114,7 +114,8 @@ def precision_regime(recipe: Recipe) -> str:
     master = "the weights themselves (fp32)" if precision == "fp32" else "fp32 copies"
     scaling = "dynamic loss scaling" if precision == "fp16" else "no loss scaling"
     return (f"precision: weights {str(dtype).replace('torch.', '')}, master weights {master}, gradients "
-            f"accumulated and reduced in {str(grad_dtype_of(recipe)).replace('torch.', '')} main_grad buffers, {scaling}")
+            f"accumulated and reduced in {str(grad_dtype_of(recipe)).replace('torch.', '')} main_grad buffers, "
+            f"{scaling}")
 
 
 def precision_of(recipe: Recipe) -> tuple[str, torch.dtype]:
@@ -139,7 +140,8 @@ def _vocab_size(tokenizer_files, vocab_size: Optional[int]) -> int:
         vocab_file, merge_file = tokenizer_files
         return GPT2BPETokenizer(str(vocab_file), str(merge_file)).vocab_size
     if vocab_size is None:
-        raise UserError("no tokenizer: give --vocab-file and --merge-file (or --vocab-size for data tokenized elsewhere)")
+        raise UserError("no tokenizer: give --vocab-file and --merge-file "
+                        "(or --vocab-size for data tokenized elsewhere)")
     return int(vocab_size)
 
 
@@ -254,21 +256,37 @@ def train(recipe: Recipe, run_dir, data_prefix, tokenizer_files=None, load=None,
     if info.world_size > 1:
         ps.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                                      p.virtual_pipeline_model_parallel_size(recipe.model.num_layers))
-    # One job per run directory (local rank 0 of each node takes it: nodes need not share a disk).
-    lock = run_lock.acquire(run_dir, log=print) if ps.is_local_rank_zero() else None
+    device = choose_device(t.device, info.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    ps.set_collective_device(device)
+    # One job per run directory: local rank 0 of each node takes run.lock (nodes need not share a disk);
+    # every rank learns the verdict, so a refusal stops the whole job, not one rank of it.
+    job, lock, refusal = run_lock.job_token(), None, None
+    if ps.is_local_rank_zero():
+        try:
+            lock = run_lock.acquire(run_dir, job, log=print)
+        except UserError as exc:
+            refusal = exc
+    if not ps.all_ranks_ok(refusal is None):
+        run_lock.release(lock)
+        raise refusal or UserError(f"another node could not take the run lock of {run_dir} (its error says why)")
     try:
-        device = choose_device(t.device, info.device)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        ps.set_collective_device(device)
         precision, dtype = precision_of(recipe)
         seed_everything(t.seed, device.type)
 
         padded_vocab = recipe.padded_vocab_size(_vocab_size(tokenizer_files, vocab_size))
         fusions, model, inner_model, optimizer = build_model_and_optimizer(recipe, padded_vocab, device)
-        check_can_save(run_dir, Path(save) if save else run_dir / "checkpoints", parameters=sum(
-            x.numel() for x in inner_model.parameters()) * p.tensor_model_parallel_size * p.pipeline_model_parallel_size,
-            bytes_per_parameter=dtype.itemsize + (12 if save_optim else 0))  # + fp32 master, exp_avg, exp_avg_sq
+        try:
+            check_can_save(run_dir, Path(save) if save else run_dir / "checkpoints", parameters=sum(
+                x.numel() for x in inner_model.parameters()) * p.tensor_model_parallel_size *
+                p.pipeline_model_parallel_size,
+                bytes_per_parameter=dtype.itemsize + (12 if save_optim else 0))  # + fp32 master, exp_avg, exp_avg_sq
+            cannot_save = None
+        except UserError as exc:
+            cannot_save = exc
+        if not ps.all_ranks_ok(cannot_save is None):  # each node checks its own disk; all stop together
+            raise cannot_save or UserError("another rank cannot save its checkpoints (its error says why)")
         logger = RunLogger(run_dir, writer=_is_log_writer())
         if datasets is None:
             datasets = build_datasets(recipe, data_prefix, run_dir / "index-cache", vocab_size=padded_vocab)
@@ -286,7 +304,8 @@ def train(recipe: Recipe, run_dir, data_prefix, tokenizer_files=None, load=None,
         schedule = (f" (interleaved 1F1B, {vpp} virtual stages of {p.num_layers_per_virtual_pipeline_stage} layers "
                     "per rank)" if vpp is not None else "")
         logger.info(f"layout: world {p.world_size} = TP {p.tensor_model_parallel_size} x PP "
-                    f"{p.pipeline_model_parallel_size}{schedule} x DP {p.data_parallel_size}; micro batch {t.micro_batch_size}, "
+                    f"{p.pipeline_model_parallel_size}{schedule} x DP {p.data_parallel_size}; "
+                    f"micro batch {t.micro_batch_size}, "
                     f"{recipe.num_micro_batches} micro batches per iteration, global batch {t.global_batch_size}")
         logger.info(f"device: {name}; precision: {precision}; parameters on this rank: {n_params:,}; "
                     f"padded vocab {padded_vocab}")

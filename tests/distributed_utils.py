@@ -3,9 +3,9 @@
     from distributed_utils import run_distributed      # tests/ is on sys.path under pytest
     results = run_distributed(my_fn, 2, arg1, arg2)   # [rank0_result, rank1_result]
 
-`fn` must be a module-level function (importable, for the `spawn` start method). Inside `fn`, torch.distributed is initialized (`dist.get_rank()`,
-`dist.get_world_size()`), torch uses one thread, and the return value may hold tensors (it is
-sent back with torch.save). An exception on any rank is raised in the parent with that rank's
+`fn` must be a module-level function (importable, for the `spawn` start method). Inside `fn`, torch.distributed is
+initialized (`dist.get_rank()`, `dist.get_world_size()`), torch uses one thread, and the return value may hold
+tensors (it is sent back with torch.save). An exception on any rank is raised in the parent with that rank's
 traceback; a rank that hangs past `timeout` is killed and reported.
 """
 

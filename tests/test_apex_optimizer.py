@@ -27,7 +27,7 @@ class ApexFusedAdam(torch.optim.Optimizer):
     """Apex's FusedAdam update rule in plain torch (fp32 math, as its kernel's MATH_T)."""
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
-                 weight_decay=0.0, amsgrad=False, set_grad_none=True, capturable=False, master_weights=False):
+                 weight_decay=0.0, amsgrad=False, _set_grad_none=True, capturable=False, master_weights=False):
         if amsgrad or capturable or master_weights:
             raise RuntimeError("the stand-in implements Apex's default, non-capturable path only")
         super().__init__(params, dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
@@ -35,7 +35,7 @@ class ApexFusedAdam(torch.optim.Optimizer):
         self.adam_w_mode = 1 if adam_w_mode else 0
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, _closure=None):
         for group in self.param_groups:
             if len(group["params"]) == 0:
                 continue
@@ -218,7 +218,7 @@ def test_build_model_and_optimizer_picks_the_recipes_optimizer(monkeypatch):
     tiny = ["num_layers=1", "hidden_size=16", "num_attention_heads=2", "seq_length=8", "max_position_embeddings=8",
             "fusions=torch"]
     # Apex importable and working (the stand-in): still torch's AdamW unless the recipe asks
-    monkeypatch.setattr(apex_module, "fused_adam_problem", lambda device_type: None)
+    monkeypatch.setattr(apex_module, "fused_adam_problem", lambda _device_type: None)
     monkeypatch.setattr(apex_module, "fused_adam_class", lambda: ApexFusedAdam)
     *_, optimizer = pretrain_gpt.build_model_and_optimizer(load_recipe("smoke", tiny), 64, torch.device("cpu"))
     assert optimizer.description == "torch.optim.AdamW(fused=True)"

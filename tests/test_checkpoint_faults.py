@@ -18,14 +18,14 @@ from megatron_core.errors import UserError
 from megatron_core.pretrain_gpt import train
 from megatron_core.training import checkpointing as ckpt
 from megatron_core.training.logging import read_metrics
-from training_fixtures import VOCAB_SIZE, corpus, one_thread, tiny_recipe  # noqa: F401 - fixtures
+from training_fixtures import VOCAB_SIZE, fixture_corpus, fixture_one_thread, tiny_recipe  # noqa: F401 - fixtures
 
 ITERS = 12
 RECIPE = (f"train_iters={ITERS}", "save_interval=4", "eval_iters=1", "eval_interval=4")
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory, corpus, one_thread):
+def finished(tmp_path_factory, corpus):
     """A run of 12 iterations saved every 4: iter_4 is pruned (keep_last_checkpoints 2), 8 and 12 stay."""
     run_dir = tmp_path_factory.mktemp("finished")
     train(tiny_recipe(*RECIPE), run_dir, corpus, vocab_size=VOCAB_SIZE)
@@ -101,10 +101,10 @@ def test_flipped_bytes_fall_back_to_the_previous_iteration(run, corpus, capsys):
 def test_no_fallback_refuses_a_checkpoint_that_fails_verification(run, corpus):
     save = run / "checkpoints"
     _flip_bytes(cf.checkpoint_file(save, 12))
-    with pytest.raises(ckpt.CheckpointError, match="--no-fallback") as info:
+    with pytest.raises(cf.CheckpointError, match="--no-fallback") as info:
         train(tiny_recipe(*RECIPE), run, corpus, vocab_size=VOCAB_SIZE, fallback=False)
     assert "\n" not in str(info.value)
-    assert ckpt.read_tracker(save) == 12 and _iterations_in_metrics(run) == list(range(1, ITERS + 1))
+    assert cf.read_tracker(save) == 12 and _iterations_in_metrics(run) == list(range(1, ITERS + 1))
 
 
 def test_a_truncated_rank_file_of_an_old_checkpoint_without_manifest_falls_back(run):
@@ -123,7 +123,7 @@ def test_every_iteration_damaged_refuses_unless_from_scratch(run, corpus):
     save = run / "checkpoints"
     for iteration in (8, 12):
         _flip_bytes(cf.checkpoint_file(save, iteration))
-    with pytest.raises(ckpt.CheckpointError, match="none loads .*--from-scratch"):
+    with pytest.raises(cf.CheckpointError, match="none loads .*--from-scratch"):
         ckpt.load_latest(save)
     summary = train(tiny_recipe(*RECIPE), run, corpus, vocab_size=VOCAB_SIZE, from_scratch=True)
     assert summary["iteration"] == ITERS and _iterations_in_metrics(run) == list(range(1, ITERS + 1))
@@ -153,9 +153,16 @@ def test_a_bad_tracker_resumes_from_the_newest_iteration(run, tracker):
     assert len(lines) == 1 and "newest complete iteration" in lines[0] and cf.TRACKER_FILENAME in lines[0], lines
 
 
-def test_from_scratch_ignores_good_checkpoints(run, corpus):
+def test_from_scratch_ignores_good_checkpoints_and_moves_them_aside(run, corpus):
+    old = sorted(p.name for p in (run / "checkpoints").iterdir())
     summary = train(tiny_recipe(*RECIPE[1:], "train_iters=4"), run, corpus, vocab_size=VOCAB_SIZE, from_scratch=True)
     assert summary["iteration"] == 4 and _iterations_in_metrics(run) == [1, 2, 3, 4]
+    # the old run's later iterations are not left beside the new ones, where a resume would pick them ...
+    assert ckpt.load_latest(run / "checkpoints")[0] == 4
+    assert all(int(p.name[5:]) <= 4 for p in (run / "checkpoints").glob("iter_*"))
+    # ... and nothing is lost: they are all in the directory set aside
+    aside = list(run.glob("checkpoints.before-from-scratch-*"))
+    assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()) == old
 
 
 # -- publishing without a gap -------------------------------------------------------------------------
@@ -237,7 +244,7 @@ def test_a_crash_between_any_two_publish_steps_leaves_a_complete_iteration(tmp_p
             _kill_at_step(patch, step)
             with pytest.raises(Killed):
                 _write_tiny(save, 8, value=2.0)
-        tracker = ckpt.read_tracker(save)
+        tracker = cf.read_tracker(save)
         assert tracker is None or cf.iteration_dir(save, tracker).is_dir(), f"step {step}: the tracker names a gap"
         assert _resumable(save) in {(8, 1.0), (8, 2.0), (4, 1.0)}, f"killed at step {step} ({steps[step - 1]})"
         _write_tiny(save, 8, value=2.0)
@@ -263,7 +270,7 @@ def test_unwritable_save_directory_is_refused_before_the_first_iteration(tmp_pat
 
 
 def test_too_little_free_space_is_refused_before_the_first_iteration(tmp_path, corpus, monkeypatch):
-    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 1000, 1000))
+    monkeypatch.setattr(shutil, "disk_usage", lambda _path: shutil._ntuple_diskusage(10**12, 10**12 - 1000, 1000))
     with pytest.raises(UserError, match="has 0.00 GiB free but one checkpoint needs about"):
         train(tiny_recipe(*RECIPE), tmp_path / "run", corpus, vocab_size=VOCAB_SIZE)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
@@ -275,13 +282,13 @@ def test_disk_full_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(r
     save = run / "checkpoints"
     good = torch.load(cf.checkpoint_file(save, 12), weights_only=False)
 
-    def full_disk(obj, f, *args, **kwargs):
+    def full_disk(_obj, f, *_args, **_kwargs):
         Path(f).write_bytes(b"half a checkpoint")
         raise error
 
     monkeypatch.setattr(torch, "save", full_disk)
-    with pytest.raises(ckpt.CheckpointError, match="no space left on device") as info:
-        ckpt.save_checkpoint(save, 16, model_state=ckpt.flatten_model_state(good["model"]), args=good["args"],
+    with pytest.raises(cf.CheckpointError, match="no space left on device") as info:
+        ckpt.save_checkpoint(save, 16, model_state=cf.flatten_model_state(good["model"]), args=good["args"],
                              recipe=tiny_recipe(*RECIPE), consumed_train_samples=64)
     monkeypatch.undo()
     assert "\n" not in str(info.value) and str(cf.staging_dir(save, 16)) in str(info.value)

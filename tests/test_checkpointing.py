@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_core import checkpoint_format as cf
 from megatron_core.pretrain_gpt import train
-from megatron_core import checkpoint_format
 from megatron_core.training import checkpointing as ckpt
 from megatron_core.training.logging import read_metrics
-from training_fixtures import VOCAB_SIZE, corpus, one_thread, tiny_recipe, train_losses, write_corpus  # noqa: F401 - fixtures
+from training_fixtures import VOCAB_SIZE, fixture_corpus, fixture_one_thread, tiny_recipe, train_losses, write_corpus  # noqa: F401 - fixtures
 
 TESTS_DIR = Path(__file__).resolve().parent
 ITERS = 16
@@ -31,7 +31,7 @@ ITERS = 16
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, corpus, one_thread):
+def reference(tmp_path_factory, corpus):
     """The uninterrupted run: 16 iterations, checkpoints at 8 and 16."""
     run_dir = tmp_path_factory.mktemp("reference")
     train(tiny_recipe(f"train_iters={ITERS}"), run_dir, corpus, vocab_size=VOCAB_SIZE)
@@ -50,9 +50,10 @@ def _assert_same_losses(run_dir: Path, reference: Path, after: int) -> None:
 def test_checkpoint_layout_keys_and_shapes(reference):
     save = reference / "checkpoints"
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
-    assert sorted(p.name for p in save.iterdir()) == ["iter_0000008", "iter_0000016", "latest_checkpointed_iteration.txt",
-                                                      "recipe.yaml"]  # no tokenizer files: trained from token ids
-    state = ckpt.load_checkpoint_file(save / "iter_0000016" / "mp_rank_00" / "model_optim_rng.pt")
+    # No tokenizer files: trained from token ids.
+    assert sorted(p.name for p in save.iterdir()) == ["iter_0000008", "iter_0000016",
+                                                      "latest_checkpointed_iteration.txt", "recipe.yaml"]
+    state = cf.load_checkpoint_file(save / "iter_0000016" / "mp_rank_00" / "model_optim_rng.pt")
     assert set(state) >= {"args", "checkpoint_version", "iteration", "model", "optimizer", "opt_param_scheduler",
                           "rng_state", "recipe", "recipe_hash", "consumed_train_samples"}
     assert state["checkpoint_version"] == 3.0 and state["iteration"] == ITERS
@@ -88,16 +89,17 @@ def test_nest_and_flatten_are_inverse_for_every_stage_kind():
     t = torch.zeros(1)
     last_stage = {"encoder.layers.0.mlp.dense_4h_to_h.bias": t, "encoder.final_layernorm.weight": t,
                   "word_embeddings_for_head.weight": t}
-    nested = ckpt.nest_model_state(last_stage)
-    assert nested == {"language_model": {"encoder": {"layers.0.mlp.dense_4h_to_h.bias": t, "final_layernorm.weight": t}},
+    nested = cf.nest_model_state(last_stage)
+    assert nested == {"language_model": {"encoder": {"layers.0.mlp.dense_4h_to_h.bias": t,
+                                                     "final_layernorm.weight": t}},
                       "word_embeddings_for_head": {"weight": t}}
     untied = {"embedding.word_embeddings.weight": t, "embedding.position_embeddings.weight": t,
               "output_layer.weight": t}
-    assert ckpt.nest_model_state(untied)["language_model"]["output_layer"] == {"weight": t}
+    assert cf.nest_model_state(untied)["language_model"]["output_layer"] == {"weight": t}
     for flat in (last_stage, untied):
-        assert ckpt.flatten_model_state(ckpt.nest_model_state(flat)) == flat
+        assert cf.flatten_model_state(cf.nest_model_state(flat)) == flat
     with pytest.raises(ValueError, match="no place"):
-        ckpt.nest_model_state({"lm_head.weight": t})
+        cf.nest_model_state({"lm_head.weight": t})
 
 
 class Sneaky:
@@ -106,13 +108,13 @@ class Sneaky:
 
 def test_load_refuses_unlisted_globals_and_garbage(tmp_path):
     torch.save({"x": Sneaky()}, tmp_path / "bad.pt")
-    with pytest.raises(ckpt.CheckpointError, match="cannot read checkpoint"):
-        ckpt.load_checkpoint_file(tmp_path / "bad.pt")
+    with pytest.raises(cf.CheckpointError, match="cannot read checkpoint"):
+        cf.load_checkpoint_file(tmp_path / "bad.pt")
     (tmp_path / "cut.pt").write_bytes(b"PK\x03\x04 truncated")
-    with pytest.raises(ckpt.CheckpointError, match="cannot read checkpoint"):
-        ckpt.load_checkpoint_file(tmp_path / "cut.pt")
-    with pytest.raises(ckpt.CheckpointError, match="does not exist"):
-        ckpt.load_checkpoint_file(tmp_path / "missing.pt")
+    with pytest.raises(cf.CheckpointError, match="cannot read checkpoint"):
+        cf.load_checkpoint_file(tmp_path / "cut.pt")
+    with pytest.raises(cf.CheckpointError, match="does not exist"):
+        cf.load_checkpoint_file(tmp_path / "missing.pt")
 
 
 # -- resume ------------------------------------------------------------------------------------------
@@ -136,17 +138,18 @@ def test_resume_from_mid_run_checkpoint_is_exact(reference, corpus, tmp_path):
 
 def test_resume_with_changed_recipe_is_refused_unless_safe(reference, corpus, tmp_path):
     _checkpoint_copy(reference, tmp_path, 8)
-    with pytest.raises(ckpt.CheckpointError, match=r"changed keys that alter training: training\.lr, training\.min_lr"):
+    with pytest.raises(cf.CheckpointError, match=r"changed keys that alter training: training\.lr, training\.min_lr"):
         train(tiny_recipe(f"train_iters={ITERS}", "lr=1e-3", "min_lr=1e-4"), tmp_path, corpus, vocab_size=VOCAB_SIZE)
     summary = train(tiny_recipe(f"train_iters={ITERS}", "training.log_interval=4", "save_interval=null"), tmp_path,
                     corpus, vocab_size=VOCAB_SIZE)
     assert summary["iteration"] == ITERS
 
 
-def test_no_save_optim_writes_model_only(reference, corpus, tmp_path):
+@pytest.mark.usefixtures("reference")
+def test_no_save_optim_writes_model_only(corpus, tmp_path):
     train(tiny_recipe("train_iters=3", "lr_warmup_iters=1", "save_interval=null", "eval_iters=0"), tmp_path, corpus,
           vocab_size=VOCAB_SIZE, save_optim=False)
-    state = ckpt.load_checkpoint_file(ckpt.checkpoint_file(tmp_path / "checkpoints", 3))
+    state = cf.load_checkpoint_file(cf.checkpoint_file(tmp_path / "checkpoints", 3))
     assert "optimizer" not in state and "opt_param_scheduler" not in state and "model" in state
 
 
@@ -186,7 +189,7 @@ def test_resume_after_sigkill_is_exact(reference, corpus, tmp_path):
     child.send_signal(signal.SIGKILL)
     child.wait(timeout=30)
     assert child.returncode == -signal.SIGKILL
-    killed_at = ckpt.read_tracker(tmp_path / "checkpoints")
+    killed_at = cf.read_tracker(tmp_path / "checkpoints")
     assert killed_at < ITERS, "the child finished before it was killed; the test proved nothing"
     train(tiny_recipe(f"train_iters={ITERS}", "save_interval=2"), tmp_path, corpus, vocab_size=VOCAB_SIZE)
     _assert_same_losses(tmp_path, reference, after=killed_at)
@@ -200,7 +203,7 @@ def test_sigterm_saves_exits_zero_and_resumes_exactly(reference, corpus, tmp_pat
     assert child.returncode == 0, out
     assert "received SIGTERM: saved checkpoint at iteration" in out
     assert "child finished" in out
-    stopped_at = ckpt.read_tracker(tmp_path / "checkpoints")
+    stopped_at = cf.read_tracker(tmp_path / "checkpoints")
     assert f"saved checkpoint at iteration {stopped_at} to {tmp_path / 'checkpoints' / f'iter_{stopped_at:07d}'}" in out
     assert stopped_at < ITERS
     train(tiny_recipe(f"train_iters={ITERS}", "save_interval=2"), tmp_path, corpus, vocab_size=VOCAB_SIZE)
@@ -216,10 +219,10 @@ class Killed(BaseException):
 @pytest.mark.parametrize("where", ["mid-file", "before-rename", "before-tracker"])
 def test_save_killed_midway_leaves_previous_checkpoint_loadable(reference, tmp_path, monkeypatch, where):
     save = _checkpoint_copy(reference, tmp_path, 8)
-    good = ckpt.load_checkpoint_file(ckpt.checkpoint_file(save, 8))
-    real_save, real_replace = torch.save, os.replace
+    good = cf.load_checkpoint_file(cf.checkpoint_file(save, 8))
+    real_replace = os.replace
 
-    def dying_torch_save(obj, f, *a, **k):
+    def dying_torch_save(_obj, f, *_args, **_kwargs):
         Path(f).write_bytes(b"half a checkpoint")
         raise Killed
 
@@ -228,24 +231,24 @@ def test_save_killed_midway_leaves_previous_checkpoint_loadable(reference, tmp_p
             raise Killed
         return real_replace(src, dst)
 
-    def dying_tracker(path, text):
+    def dying_tracker(_path, _text):
         raise Killed
 
     patch = {"mid-file": (torch, "save", dying_torch_save), "before-rename": (os, "replace", dying_replace),
-             "before-tracker": (checkpoint_format, "atomic_write_text", dying_tracker)}[where]
+             "before-tracker": (cf, "atomic_write_text", dying_tracker)}[where]
     monkeypatch.setattr(*patch)
     with pytest.raises(Killed):
-        ckpt.save_checkpoint(save, 12, model_state=ckpt.flatten_model_state(good["model"]), args=good["args"],
+        ckpt.save_checkpoint(save, 12, model_state=cf.flatten_model_state(good["model"]), args=good["args"],
                              recipe=tiny_recipe(f"train_iters={ITERS}"), consumed_train_samples=48)
     monkeypatch.undo()
-    assert ckpt.read_tracker(save) == 8
+    assert cf.read_tracker(save) == 8
     iteration, state = ckpt.load_latest(save)
     assert iteration == 8 and torch.equal(state["model"]["language_model"]["embedding"]["word_embeddings"]["weight"],
                                           good["model"]["language_model"]["embedding"]["word_embeddings"]["weight"])
     # The next save cleans up and completes.
-    ckpt.save_checkpoint(save, 12, model_state=ckpt.flatten_model_state(good["model"]), args=good["args"],
+    ckpt.save_checkpoint(save, 12, model_state=cf.flatten_model_state(good["model"]), args=good["args"],
                          recipe=tiny_recipe(f"train_iters={ITERS}"), consumed_train_samples=48)
-    assert ckpt.read_tracker(save) == 12 and not list(save.glob("*.tmp"))
+    assert cf.read_tracker(save) == 12 and not list(save.glob("*.tmp"))
     assert ckpt.load_latest(save)[1]["consumed_train_samples"] == 48
 
 
@@ -253,19 +256,19 @@ def test_save_killed_midway_leaves_previous_checkpoint_loadable(reference, tmp_p
 def test_model_only_writer_killed_midway_leaves_previous_checkpoint(reference, tmp_path, monkeypatch, where):
     """import-hf and the converters write through the same staging and publishing as training."""
     save = _checkpoint_copy(reference, tmp_path, 8)
-    good = ckpt.load_checkpoint_file(ckpt.checkpoint_file(save, 8))
+    good = cf.load_checkpoint_file(cf.checkpoint_file(save, 8))
 
-    def dying(*args, **kwargs):
+    def dying(*_args, **_kwargs):
         raise Killed
 
     monkeypatch.setattr(*{"mid-file": (torch, "save", dying),
-                          "before-tracker": (checkpoint_format, "atomic_write_text", dying)}[where])
+                          "before-tracker": (cf, "atomic_write_text", dying)}[where])
     with pytest.raises(Killed):
-        checkpoint_format.write_checkpoint(save, {(0, 0): good["model"]}, good["args"], "release")
+        cf.write_checkpoint(save, {(0, 0): good["model"]}, good["args"], "release")
     monkeypatch.undo()
-    assert ckpt.read_tracker(save) == 8 and ckpt.load_latest(save)[0] == 8
-    checkpoint_format.write_checkpoint(save, {(0, 0): good["model"]}, good["args"], "release")
-    assert ckpt.read_tracker(save) == "release" and not list(save.glob("*.tmp"))
+    assert cf.read_tracker(save) == 8 and ckpt.load_latest(save)[0] == 8
+    cf.write_checkpoint(save, {(0, 0): good["model"]}, good["args"], "release")
+    assert cf.read_tracker(save) == "release" and not list(save.glob("*.tmp"))
 
 
 # -- the distributed optimizer's shards (DP 2, gloo) -------------------------------------------------
@@ -287,8 +290,8 @@ def test_distributed_optimizer_shards_saved_beside_and_resumed_exactly(corpus, t
 
     full = run_distributed(_dp2_train, 2, str(tmp_path / "full"), corpus, 8)[0]
     rank_dir = tmp_path / "full" / "checkpoints" / "iter_0000004" / "mp_rank_00"
-    pieces = [ckpt.load_checkpoint_file(rank_dir / ckpt.distrib_optim_filename(r))["param_state"] for r in (0, 1)]
-    weights = ckpt.flatten_model_state(ckpt.load_checkpoint_file(rank_dir / ckpt.MODEL_FILENAME)["model"])
+    pieces = [cf.load_checkpoint_file(rank_dir / cf.distrib_optim_filename(r))["param_state"] for r in (0, 1)]
+    weights = cf.flatten_model_state(cf.load_checkpoint_file(rank_dir / cf.MODEL_FILENAME)["model"])
     # each DP rank wrote its own pieces (nothing gathered); together they cover every weight once
     assert {n: sum(p[n]["exp_avg"].numel() for p in pieces if n in p) for n in weights} == \
         {n: w.numel() for n, w in weights.items()}
@@ -305,7 +308,7 @@ def test_megatron_lm_rng_state_with_numpy_arrays_loads_safely(tmp_path):
              "rng_state": [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
                             "torch_rng_state": torch.get_rng_state()}]}
     torch.save(state, tmp_path / "megatron_lm.pt")
-    loaded = ckpt.load_checkpoint_file(tmp_path / "megatron_lm.pt")
+    loaded = cf.load_checkpoint_file(tmp_path / "megatron_lm.pt")
     np_state = loaded["rng_state"][0]["np_rng_state"]
     assert np_state[0] == "MT19937" and np.array_equal(np_state[1], np.random.get_state()[1])
 
@@ -342,7 +345,7 @@ def test_a_signal_on_one_rank_stops_every_rank_after_the_same_iteration(corpus, 
 
     ranks = run_distributed(_dp2_signal_one_rank, 2, str(tmp_path), corpus)
     assert ranks == [{"iteration": 3, "stopped_by": "SIGTERM"}] * 2
-    assert ckpt.read_tracker(tmp_path / "checkpoints") == 3
+    assert cf.read_tracker(tmp_path / "checkpoints") == 3
 
 
 def _latest_on_each_rank(root: str):
@@ -355,10 +358,10 @@ def _latest_on_each_rank(root: str):
         own = Path(root) / f"node{dist.get_rank()}"  # no shared filesystem: each rank its own directory
         own.mkdir(parents=True, exist_ok=True)
         if dist.get_rank() == 0:
-            (own / ckpt.TRACKER_FILENAME).write_text("6\n")
+            (own / cf.TRACKER_FILENAME).write_text("6\n")
         try:
             ckpt.load_latest(own)
-        except ckpt.CheckpointError as exc:
+        except cf.CheckpointError as exc:
             return str(exc)
         return None
     finally:

@@ -64,7 +64,8 @@ def _assert_same_training(eager: list, compiled: list) -> None:
             assert_close(grad, eager_grad, rtol=1e-4, atol=1e-6, msg=f"gradient {i} of step {step}")
 
 
-def test_compiled_layers_train_like_eager_with_dropout(eager_masks):
+@pytest.mark.usefixtures("eager_masks")
+def test_compiled_layers_train_like_eager_with_dropout():
     eager, eager_keys = _train(ParallelConfig(), compiled=False)
     compiled, keys = _train(ParallelConfig(), compiled=True)
     assert keys == eager_keys  # checkpoints of compiled and eager runs are interchangeable

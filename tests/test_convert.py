@@ -10,13 +10,13 @@ from megatron_core.convert import convert_checkpoint, import_hf_model, load_mega
 from megatron_core.evaluate.generate import SamplingConfig, generate
 from test_convert_fixtures import (  # noqa: F401  (fixtures)
     PADDED_VOCAB,
+    fixture_tokenizer_files,
+    fixture_tp1_checkpoint,
     random_full_state,
     read_json,
     save_layout,
     save_tp1,
     tiny_recipe,
-    tokenizer_files,
-    tp1_checkpoint,
 )
 
 torch.set_num_threads(1)
@@ -130,7 +130,7 @@ def _legacy_qkv(t: torch.Tensor, version: float, heads_local: int) -> torch.Tens
 
 
 def _make_legacy(ckpt_dir, version: float, newer_norm_names: bool):
-    from megatron_core.training.checkpointing import load_checkpoint_file
+    from megatron_core.checkpoint_format import load_checkpoint_file
 
     for path in ckpt_dir.glob("iter_*/mp_rank_*/model_optim_rng.pt"):
         obj = load_checkpoint_file(path)
@@ -163,7 +163,7 @@ def test_legacy_versions_and_names_merge_to_the_same_state(tp1_checkpoint, token
 
 
 def test_round_trip_ours_hf_ours_is_bit_exact(tp1_checkpoint, tokenizer_files, tmp_path):
-    from megatron_core.training.checkpointing import load_checkpoint_file
+    from megatron_core.checkpoint_format import load_checkpoint_file
 
     _, _, state = tp1_checkpoint
     original = save_layout(tmp_path / "orig", tiny_recipe(2, 2), state, *tokenizer_files, tp=2, pp=2)
@@ -237,7 +237,7 @@ def test_tp2pp2_checkpoint_written_by_four_ranks(tmp_path, tokenizer_files):
 def test_virtual_pipeline_layout_imports_reads_and_converts(tp1_checkpoint, tokenizer_files, tmp_path):
     """import-hf writes the interleaved schedule's layout (model0, model1 per rank; chunk c of PP
     rank r holds global layer c x PP + r here), and read/convert merge it back bit for bit."""
-    from megatron_core.training.checkpointing import load_checkpoint_file
+    from megatron_core.checkpoint_format import load_checkpoint_file
 
     _, _, state = tp1_checkpoint
     plain = save_layout(tmp_path / "plain", tiny_recipe(2, 2), state, *tokenizer_files, tp=2, pp=2)
@@ -246,7 +246,8 @@ def test_virtual_pipeline_layout_imports_reads_and_converts(tp1_checkpoint, toke
                     num_layers_per_virtual_pipeline_stage=1)
     qkv = "self_attention.query_key_value.weight"
     for pp_rank in range(2):
-        shard = load_checkpoint_file(tmp_path / "vpp" / "iter_0000010" / f"mp_rank_01_{pp_rank:03d}" / "model_optim_rng.pt")
+        rank_dir = tmp_path / "vpp" / "iter_0000010" / f"mp_rank_01_{pp_rank:03d}"
+        shard = load_checkpoint_file(rank_dir / "model_optim_rng.pt")
         assert "model" not in shard and shard["args"].virtual_pipeline_model_parallel_size == 2
         for chunk in range(2):
             encoder = shard[f"model{chunk}"]["language_model"]["encoder"]

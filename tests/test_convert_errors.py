@@ -11,7 +11,7 @@ import torch
 
 from megatron_core.convert import convert_checkpoint, import_hf_model, read_checkpoint
 from megatron_core.errors import UserError
-from test_convert_fixtures import save_layout, tiny_recipe, tokenizer_files, tp1_checkpoint  # noqa: F401
+from test_convert_fixtures import fixture_tokenizer_files, fixture_tp1_checkpoint, save_layout, tiny_recipe  # noqa: F401
 
 torch.set_num_threads(1)
 
@@ -115,7 +115,7 @@ def test_cli_prints_error_and_exits_2(tmp_path):
 
 def test_mixed_shards_of_a_legacy_checkpoint_without_recipe_hash(tp1_checkpoint, tokenizer_files, tmp_path):
     """No recipe_hash to compare (Megatron-LM's own checkpoints): the replicated norms still tell."""
-    from megatron_core.training.checkpointing import load_checkpoint_file
+    from megatron_core.checkpoint_format import load_checkpoint_file
 
     a = save_layout(tmp_path / "a", tiny_recipe(2, 1), tp1_checkpoint[2], *tokenizer_files, tp=2, pp=1)
     other_state = {k: v + 1.0 for k, v in tp1_checkpoint[2].items()}

@@ -20,7 +20,8 @@ from megatron_core.training.checkpointing import megatron_args, save_checkpoint
 CORPUS = [
     "def add(a, b):\n    return a + b\n",
     "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n",
-    "class Stack:\n    def __init__(self):\n        self.items = []\n    def push(self, x):\n        self.items.append(x)\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n"
+    "    def push(self, x):\n        self.items.append(x)\n",
     "import os\nprint(os.path.join('a', 'b'))\nfor i in range(10):\n    print(i * i)\n",
 ] * 20
 
@@ -89,13 +90,15 @@ def save_layout(save: Path, recipe, state: dict, vocab: Path, merges: Path, tp: 
     return save
 
 
-@pytest.fixture(scope="session")
-def tokenizer_files(tmp_path_factory):
+# Imported by the conversion tests as fixture_*: the fixture names differ from the function names so that a
+# test's `tokenizer_files` argument does not shadow an imported name.
+@pytest.fixture(scope="session", name="tokenizer_files")
+def fixture_tokenizer_files(tmp_path_factory):
     return write_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 
 
-@pytest.fixture(scope="session")
-def tp1_checkpoint(tmp_path_factory, tokenizer_files):
+@pytest.fixture(scope="session", name="tp1_checkpoint")
+def fixture_tp1_checkpoint(tmp_path_factory, tokenizer_files):
     recipe = tiny_recipe()
     state = random_full_state(recipe)
     save = save_tp1(tmp_path_factory.mktemp("ckpt") / "tp1", recipe, state, *tokenizer_files)

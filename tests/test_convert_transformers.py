@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from megatron_core.convert import convert_checkpoint
-from megatron_core.training.checkpointing import load_checkpoint_file
-from test_convert_fixtures import tokenizer_files, tp1_checkpoint  # noqa: F401
+from megatron_core.checkpoint_format import load_checkpoint_file
+from test_convert_fixtures import fixture_tokenizer_files, fixture_tp1_checkpoint  # noqa: F401
 
 CONVERTER = "transformers/models/megatron_gpt2/convert_megatron_gpt2_checkpoint.py"
 

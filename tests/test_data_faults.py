@@ -18,7 +18,7 @@ from megatron_core.data.gpt_dataset import GPTDatasetError, build_gpt_datasets
 from megatron_core.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from megatron_core.errors import UserError
 from megatron_core.pretrain_gpt import train
-from training_fixtures import VOCAB_SIZE, one_thread, tiny_recipe, write_corpus  # noqa: F401 - fixtures
+from training_fixtures import VOCAB_SIZE, fixture_one_thread, tiny_recipe, write_corpus  # noqa: F401 - fixtures
 
 HEADER = 34  # MMIDIDX: magic, version, dtype code, sequence count, document count
 
@@ -69,11 +69,11 @@ def test_damaged_last_length_is_refused_by_the_bin_size(prefix):
 
 def test_damaged_document_boundaries_are_refused_at_open(prefix):
     n = len(IndexedDataset(prefix))
-    _patch_idx(prefix, HEADER + 12 * n + 8 * 3, "<q", lambda v: 10**6)  # document 3's first sequence
+    _patch_idx(prefix, HEADER + 12 * n + 8 * 3, "<q", lambda _v: 10**6)  # document 3's first sequence
     assert "document boundaries" in _open_error(prefix)
 
 
-def test_token_id_at_or_above_the_vocabulary_stops_training_in_one_line(tmp_path, one_thread):
+def test_token_id_at_or_above_the_vocabulary_stops_training_in_one_line(tmp_path):
     prefix = str(tmp_path / "wide")
     with IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16) as builder:
         for doc in range(40):
@@ -115,5 +115,5 @@ def test_staging_of_a_killed_data_step_is_removed(tmp_path):
         directory.mkdir()
         (directory / "corpus.jsonl").write_text("{}\n")
     recipe = tiny_recipe()
-    workflow._build(step, recipe, lambda tmp: {})
+    workflow._build(step, recipe, lambda _tmp: {})
     assert not stale.exists() and alive.exists() and step.done

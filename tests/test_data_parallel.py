@@ -147,7 +147,8 @@ def test_reduce_scatter_keeps_this_ranks_slice_of_the_average(ranks):
             flat = torch.zeros(padded)
             for offset, numel in layout:
                 name = next(names)
-                flat[offset:offset + numel] = ((ranks[0][1]["local"][name] + ranks[1][1]["local"][name]) / 2).reshape(-1)
+                mean = (ranks[0][1]["local"][name] + ranks[1][1]["local"][name]) / 2
+                flat[offset:offset + numel] = mean.reshape(-1)
             size = padded // 2
             torch.testing.assert_close(shard, flat[dp_rank * size:(dp_rank + 1) * size], rtol=1e-6, atol=1e-7)
 

@@ -68,7 +68,7 @@ def test_gpu_node_without_apex_nccl_triton_names_each(here):
     assert CPU_LINE not in lines
 
 
-def test_require_fails_with_the_missing_names(here, capsys):
+def test_require_fails_with_the_missing_names(here):
     r = _gpu_report(here, apex_ok=False)
     with pytest.raises(doctor.UserError, match="required but missing here: apex;"):
         doctor.check_requirements(r, ["cuda", "apex", "nccl"])

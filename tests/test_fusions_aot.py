@@ -110,9 +110,9 @@ def test_a_spill_or_a_compile_error_fails_the_run(monkeypatch, capsys):
     """The verdict alone, with the compiler replaced: one kernel spills, one fails, one is fine."""
     launches = [(label, types.SimpleNamespace(name=f"_{label}_kernel", num_warps=4, constexprs={"BLOCK": 64}))
                 for label in ("spills", "breaks", "fine")]
-    monkeypatch.setattr(aot, "recorded_launches", lambda fusion, shapes, dtype: launches)
+    monkeypatch.setattr(aot, "recorded_launches", lambda _fusion, _shapes, _dtype: launches)
 
-    def fake_compile(launch, capability):
+    def fake_compile(launch, _capability):
         if launch.name == "_breaks_kernel":
             raise RuntimeError("PTXASError: ptxas failed")
         return None, SPILLING_REPORT.replace("16 bytes spill stores", "0 bytes spill stores") \

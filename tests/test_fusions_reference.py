@@ -190,7 +190,7 @@ def test_auto_compiles_bias_gelu_for_training_dtypes_on_a_cpu(monkeypatch):
         assert resolve_backends("auto", device="cpu", dtype=dtype).bias_gelu == "torch"
     assert resolve_backends("torch", device="cpu", dtype=torch.bfloat16).bias_gelu == "torch"  # asked for
     monkeypatch.setattr(backends, "_COMPILE_USABLE_ON", set())
-    monkeypatch.setattr(backends, "_compile_problem_on", lambda kind: "no C++ compiler")
+    monkeypatch.setattr(backends, "_compile_problem_on", lambda _kind: "no C++ compiler")
     assert resolve_backends("auto", device="cpu", dtype=torch.bfloat16).bias_gelu == "torch"
 
 
@@ -256,7 +256,8 @@ def usable_triton_on_cuda(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
-def test_auto_on_cuda_runs_our_triton_softmax_and_cross_entropy(usable_triton_on_cuda):
+@pytest.mark.usefixtures("usable_triton_on_cuda")
+def test_auto_on_cuda_runs_our_triton_softmax_and_cross_entropy():
     auto = resolve_backends("auto", device="cuda")
     assert (auto.softmax, auto.cross_entropy) == ("triton", "triton")
     assert (auto.layer_norm, auto.bias_gelu, auto.bias_dropout_add) == ("torch", "torch", "torch")
@@ -265,8 +266,8 @@ def test_auto_on_cuda_runs_our_triton_softmax_and_cross_entropy(usable_triton_on
 
 
 @pytest.mark.parametrize("apex_runs", [True, False])
-def test_fusions_triton_gives_the_fusions_without_a_kernel_the_best_other_backend(usable_triton_on_cuda,
-                                                                                   monkeypatch, apex_runs):
+@pytest.mark.usefixtures("usable_triton_on_cuda")
+def test_fusions_triton_gives_the_fusions_without_a_kernel_the_best_other_backend(monkeypatch, apex_runs):
     """`fusions: triton` has kernels for softmax and cross entropy only: LayerNorm takes Apex's where Apex runs,
     the rest what "auto" picks, and the start-up description says so."""
     from megatron_core.fusions import backends
@@ -281,7 +282,8 @@ def test_fusions_triton_gives_the_fusions_without_a_kernel_the_best_other_backen
 
 @pytest.mark.parametrize("fusion,choices", [("layer_norm", "auto, apex, torch"), ("bias_gelu", "auto, compile, torch"),
                                             ("bias_dropout_add", "auto, torch")])
-def test_a_triton_override_for_a_deleted_kernel_is_refused(usable_triton_on_cuda, fusion, choices):
+@pytest.mark.usefixtures("usable_triton_on_cuda")
+def test_a_triton_override_for_a_deleted_kernel_is_refused(fusion, choices):
     with pytest.raises(UserError, match=f"no Triton kernel for {fusion} .*; use one of {choices}$"):
         resolve_backends("auto", {fusion: "triton"}, device="cuda")
     assert resolve_backends("torch", {"softmax": "triton"}, device="cuda").softmax == "triton"

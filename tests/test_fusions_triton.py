@@ -7,7 +7,8 @@ two modes picked at start:
 
 The mode is printed once per session ("fusion kernel tests: ... mode") and each comparison asserts its tensors
 live on the mode's device. MEGATRON_FUSIONS_TEST_MODE=compiled (or interpreter) makes the run fail unless that mode
-ran: ci/gpu.sh and bench/gpu_speed.sh and bench/gpu_check.py set it, so a GPU job cannot quietly test the interpreter instead.
+ran: ci/gpu.sh and bench/gpu_speed.sh and bench/gpu_check.py set it, so a GPU job cannot quietly test the
+interpreter instead.
 
 How the interpreter gets switched on (checked on triton 3.9): TRITON_INTERPRET=1 must be in the environment
 before the process first imports triton, because triton decorates its own library functions (tl.rand,
@@ -148,7 +149,8 @@ SOFTMAX_GRID = ([((1, 1, 1, 1), torch.float32), ((2, 3, 7, 7), torch.float32), (
 
 @needs_triton_here
 @pytest.mark.parametrize("shape,dtype", SOFTMAX_GRID)
-def test_scaled_causal_softmax_matches_reference(shape, dtype, poisoned_outputs):
+@pytest.mark.usefixtures("poisoned_outputs")
+def test_scaled_causal_softmax_matches_reference(shape, dtype):
     scale = 0.125
     scores = leaf(torch.randn(shape) * 4, dtype)
     compare_fwd_bwd("softmax", lambda s: scaled_causal_softmax(s, scale, backend="triton"),
@@ -161,7 +163,8 @@ CROSS_ENTROPY_GRID = ([(rows, vocab, torch.float32) for vocab in (64, 1000, 1536
 
 @needs_triton_here
 @pytest.mark.parametrize("rows,vocab,dtype", CROSS_ENTROPY_GRID)
-def test_cross_entropy_matches_reference(rows, vocab, dtype, poisoned_outputs):
+@pytest.mark.usefixtures("poisoned_outputs")
+def test_cross_entropy_matches_reference(rows, vocab, dtype):
     logits = leaf(torch.randn(rows, vocab) * 3, dtype)
     labels = torch.randint(0, vocab, (rows,))
     labels[0] = vocab - 1  # the last vocab entry, past the final full block
@@ -175,7 +178,8 @@ def test_cross_entropy_matches_reference(rows, vocab, dtype, poisoned_outputs):
 
 
 @needs_triton_here
-def test_cross_entropy_with_a_shard_offset_matches_the_torch_backend(poisoned_outputs):
+@pytest.mark.usefixtures("poisoned_outputs")
+def test_cross_entropy_with_a_shard_offset_matches_the_torch_backend():
     """One shard alone (no group): the gradient of every row, and the loss of rows whose label lies in
     [start, start + V_local), agree with the torch backend. (Rows with foreign labels hold only a partial
     statistic until the group's all-reduce; tests/test_fusions_reference.py runs two real gloo ranks.)"""
@@ -191,7 +195,8 @@ def test_cross_entropy_with_a_shard_offset_matches_the_torch_backend(poisoned_ou
 
 
 @needs_triton_here
-def test_non_contiguous_inputs_are_copied_contiguous(poisoned_outputs):
+@pytest.mark.usefixtures("poisoned_outputs")
+def test_non_contiguous_inputs_are_copied_contiguous():
     scores = torch.randn(2, 7, 3, 7).transpose(1, 2)  # [2, 3, 7, 7], not contiguous
     assert_close("softmax", scaled_causal_softmax(scores, 0.5, backend="triton"),
                  scaled_causal_softmax_reference(scores, 0.5), torch.float32)
@@ -245,7 +250,7 @@ def test_eager_calls_launch_directly_without_the_dispatcher(monkeypatch):
     still run and match the reference."""
     from megatron_core.fusions.triton_kernels import _common
 
-    def broken(*args):
+    def broken(*_args):
         raise AssertionError("an eager call went through the torch custom op")
 
     ops = [value for module in _kernel_modules() for value in vars(module).values()

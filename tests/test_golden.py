@@ -164,7 +164,8 @@ def test_hf_load_checks_shape_loss_and_generation(tmp_path):
 
     from ci import hf_load
 
-    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=64, vocab_size=128)).save_pretrained(tmp_path)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=64, vocab_size=128)
+    GPT2LMHeadModel(config).save_pretrained(tmp_path)
     expect = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 4, "n_positions": 64}
     result = hf_load.check_hf_model(tmp_path, expect)
     assert math.isfinite(result["loss"]) and len(result["generated_ids"]) == 8
@@ -183,7 +184,8 @@ def test_sanity_judges_the_iterations_that_stepped_and_counts_fp16_skips(tmp_pat
 
     skipped = [record(2, None, skipped=2), record(4, None, skipped=2)]
     path = write_metrics(tmp_path / "fp16.jsonl", train={6: 6.0, 8: 5.5}, extra_lines=skipped)
-    assert golden.sanity(path) == "sane: 2 train values, lm_loss 6.0000 -> 5.5000; 4 iterations skipped (fp16 loss scaling)"
+    assert golden.sanity(path) == ("sane: 2 train values, lm_loss 6.0000 -> 5.5000; "
+                                   "4 iterations skipped (fp16 loss scaling)")
     flagged = write_metrics(tmp_path / "nan.jsonl", train={6: 6.0, 8: 5.5}, extra_lines=[record(4, None, 1, 1)])
     with pytest.raises(golden.GoldenError, match="non-finite"):
         golden.sanity(flagged)

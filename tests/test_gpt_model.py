@@ -57,7 +57,8 @@ def test_parameter_names_and_shapes_per_pipeline_stage(untie):
                          "embedding.position_embeddings.weight": (cfg.max_position_embeddings, h)}
         if post:
             expected |= {"encoder.final_layernorm.weight": (h,), "encoder.final_layernorm.bias": (h,)}
-            expected |= {"output_layer.weight": (VOCAB, h)} if untie else {"word_embeddings_for_head.weight": (VOCAB, h)}
+            head = "output_layer.weight" if untie else "word_embeddings_for_head.weight"
+            expected |= {head: (VOCAB, h)}
         got = {name: tuple(p.shape) for name, p in model.state_dict().items()}
         assert got == expected, stage
         assert model.layer_range == range(offset, offset + 1)
@@ -131,7 +132,8 @@ def test_pipeline_stages_chained_by_hand_equal_the_whole_model():
     got_first, got_last = _grads(first), _grads(last)
     # Tied embedding: the whole model's gradient is the sum of both stages' (the embedding-group all-reduce).
     assert_close(first.embedding.word_embeddings.weight, last.word_embeddings_for_head.weight)
-    assert_close(got_first.pop("embedding.word_embeddings.weight") + got_last.pop("word_embeddings_for_head.weight"), tied)
+    assert_close(got_first.pop("embedding.word_embeddings.weight") + got_last.pop("word_embeddings_for_head.weight"),
+                 tied)
     for stage, grads in ((first, got_first), (last, got_last)):
         for name, grad in grads.items():
             assert_close(grad, want[stage.global_parameter_name(name)], msg=name)
@@ -257,5 +259,6 @@ def test_one_initialization_path_every_parameter_declares_how_it_is_drawn(monkey
     params = list(model.parameters())
     assert len(draws) == len(params) and {id(p) for p in draws} == {id(p) for p in params}
     assert all(callable(getattr(p, "init_method", None)) for p in params)
-    assert torch.equal(model.encoder.layers[0].input_layernorm.weight, torch.ones_like(model.encoder.layers[0].input_layernorm.weight))
+    layernorm = model.encoder.layers[0].input_layernorm.weight
+    assert torch.equal(layernorm, torch.ones_like(layernorm))
     assert not model.encoder.layers[0].self_attention.query_key_value.bias.any()

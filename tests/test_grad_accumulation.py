@@ -123,7 +123,7 @@ def test_loaded_optimizer_state_sits_on_its_parameters_device_and_dtype(monkeypa
     from megatron_core.optimizer import distrib_optimizer, optimizer as optimizer_module
     from megatron_core.optimizer import AdamSettings, DistributedOptimizer, MegatronOptimizer
 
-    def build_adam(groups, settings, device, fused_adam_cls=None):
+    def build_adam(groups, settings, _fused_adam_cls=None):
         kwargs = dict(lr=settings.lr, weight_decay=settings.weight_decay)
         return torch.optim.AdamW(groups, fused=fused, foreach=not fused, **kwargs), "test"
 

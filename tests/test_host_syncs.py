@@ -20,7 +20,7 @@ import torch
 
 from megatron_core.pretrain_gpt import train
 from megatron_core.training import trainer as trainer_lib
-from training_fixtures import VOCAB_SIZE, corpus, one_thread, tiny_recipe  # noqa: F401 - fixtures
+from training_fixtures import VOCAB_SIZE, fixture_corpus, fixture_one_thread, tiny_recipe  # noqa: F401 - fixtures
 
 MAX_SYNCS_PER_ITERATION = 2
 LOG_INTERVAL, ITERATIONS = 4, 8
@@ -74,7 +74,8 @@ class SyncCounter:
                     self._inside = outer
 
             monkeypatch.setattr(torch.Tensor, name, patched)
-        monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: self.record("torch.cuda.synchronize()"))
+        monkeypatch.setattr(torch.cuda, "synchronize",
+                            lambda *_args, **_kwargs: self.record("torch.cuda.synchronize()"))
         step = trainer_lib.Trainer.train_step
 
         def counted_step(trainer, data_iterator):
@@ -190,7 +191,7 @@ def _tp2_batches_with_a_separate_status_group() -> tuple:
     import test_data_iterators as plain
     from megatron_core.training import data_iterators
 
-    data_iterators._carries_host_tensors = lambda group: False  # this forked rank only
+    data_iterators._carries_host_tensors = lambda _group: False  # this forked rank only
     tp_rank, batches, _ = plain._tp2_batches()
     _, got, error = plain._tp2_reader_error()
     return tp_rank, batches, got, error, len(data_iterators._HOST_GROUPS)

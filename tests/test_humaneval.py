@@ -48,7 +48,7 @@ def test_problems_are_the_164_of_the_package():
 def test_canonical_solutions_pass_and_wrong_ones_fail(tmp_path):
     problems = load_problems(20)
     assert run(problems, canonical_fn(problems), tmp_path / "a")["pass@1"] == 1.0
-    wrong = run(problems, each(lambda prompt, n: ["    return None\n"] * n), tmp_path / "b")
+    wrong = run(problems, each(lambda _prompt, n: ["    return None\n"] * n), tmp_path / "b")
     assert wrong["pass@1"] == 0.0 and set(wrong["passed_per_problem"].values()) == {0}
 
 
@@ -63,7 +63,8 @@ def test_hostile_samples_fail_without_hurting_the_run(tmp_path):
     canonical = problem["canonical_solution"]
     loop = check_completion(problem, "    while True:\n        pass\n", timeout_s=1.0, unsafe_weak_isolation=WEAK)
     assert loop.status == sandbox.TIMED_OUT
-    hog = check_completion(problem, "    x = bytearray(8 << 30)\n    return True\n", memory_mb=512, unsafe_weak_isolation=WEAK)
+    hog = check_completion(problem, "    x = bytearray(8 << 30)\n    return True\n", memory_mb=512,
+                           unsafe_weak_isolation=WEAK)
     assert hog.status == sandbox.FAILED and "MemoryError" in hog.detail
     # a listening socket here: the sample must not reach it
     server = socket.socket()
@@ -79,7 +80,7 @@ def test_hostile_samples_fail_without_hurting_the_run(tmp_path):
     # the same sample set mixed: only the honest one counts, the run finishes
     samples = [canonical, "    while True:\n        pass\n", "    x = bytearray(8 << 30)\n"]
     # 3 s: the honest sample must finish in time even while another test file shares the two cores
-    result = run([problem], each(lambda prompt, n: samples), tmp_path, n=3, k=(1, 2), timeout_s=3.0, memory_mb=512)
+    result = run([problem], each(lambda _prompt, _n: samples), tmp_path, n=3, k=(1, 2), timeout_s=3.0, memory_mb=512)
     assert result["passed_per_problem"] == {problem["task_id"]: 1} and result["timed_out"] == 1
     assert math.isclose(result["pass@1"], 1 / 3) and math.isclose(result["pass@2"], 2 / 3)
 
@@ -87,7 +88,7 @@ def test_hostile_samples_fail_without_hurting_the_run(tmp_path):
 def test_code_runs_only_when_allowed(tmp_path):
     calls = []
     with pytest.raises(UserError, match="allow_code_execution"):
-        evaluate_humaneval(each(lambda p, n: calls.append(p) or [""]), HumanEvalSettings(num_samples=1),
+        evaluate_humaneval(each(lambda p, _n: calls.append(p) or [""]), HumanEvalSettings(num_samples=1),
                            model_hash="x", cache_dir=tmp_path)
     assert not calls
 
@@ -140,7 +141,7 @@ def test_parallel_workers_keep_each_status_with_its_sample(tmp_path):
     the samples' order, as one worker gives them."""
     problem = load_problems(1)[0]
     samples = [problem["canonical_solution"] if i % 3 == 0 else "    return None\n" for i in range(8)]
-    results = [run([problem], each(lambda p, n: samples), tmp_path / str(w), n=8, workers=w) for w in (1, 4)]
+    results = [run([problem], each(lambda _p, _n: samples), tmp_path / str(w), n=8, workers=w) for w in (1, 4)]
     records = [json.loads(open(r["cache"]).read()) for r in results]
     expected = [sandbox.PASSED if i % 3 == 0 else sandbox.FAILED for i in range(8)]
     assert records[0]["statuses"] == records[1]["statuses"] == expected

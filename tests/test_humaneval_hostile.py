@@ -56,38 +56,56 @@ def _attacks(home: Path, port: int, unix: str, abstract: str) -> list[tuple[str,
         ("commands", "os.system", f"import os\nos.system('{touch}')\n"),
         ("commands", "posix.system", f"import posix\nposix.system('{touch}')\n"),
         ("commands", "ctypes system", f"import ctypes\nctypes.CDLL(None).system(b'{touch}')\n"),
-        ("commands", "posix_spawn", f"import os\nos.waitpid(os.posix_spawn('/bin/sh', ['sh', '-c', '{touch}'], {{}}), 0)\n"),
-        ("commands", "reload(subprocess)", f"import importlib, subprocess\nimportlib.reload(subprocess).run('{touch}', shell=True)\n"),
+        ("commands", "posix_spawn", f"import os\n"
+                                    f"os.waitpid(os.posix_spawn('/bin/sh', ['sh', '-c', '{touch}'], {{}}), 0)\n"),
+        ("commands", "reload(subprocess)", f"import importlib, subprocess\n"
+                                           f"importlib.reload(subprocess).run('{touch}', shell=True)\n"),
         ("commands", "multiprocessing", "import multiprocessing, os\n"
-                                        f"p = multiprocessing.get_context('fork').Process(target=os.system, args=('{touch}',))\n"
+                                        "p = multiprocessing.get_context('fork').Process(target=os.system, "
+                                        f"args=('{touch}',))\n"
                                         "p.start()\np.join()\n"),
-        ("commands", "fork_exec via execv", f"import os\nos.fork() or os.execv('/bin/sh', ['sh', '-c', '{touch}'])\nos.wait()\n"),
+        ("commands", "fork_exec via execv", f"import os\nos.fork() or os.execv('/bin/sh', ['sh', '-c', '{touch}'])\n"
+                                            "os.wait()\n"),
         ("secrets", "read a 0600 file", f"LEAK = open('{s}').read() == '{SECRET}'\n"),
         ("secrets", "secret in an exception", f"raise ValueError(open('{s}').read())\n"),
         ("secrets", "environ of every process", "import os\nLEAK = False\nfor p in os.listdir('/proc'):\n"
-                                                f"    try: LEAK = LEAK or '{SECRET}' in open(f'/proc/{{p}}/environ').read()\n"
+                                                f"    try: LEAK = LEAK or '{SECRET}' in "
+                                                "open(f'/proc/{p}/environ').read()\n"
                                                 "    except Exception: pass\n"),
         ("secrets", "the test data", f"import os\nLEAK = os.path.exists('{HUMANEVAL_DATA}')\n"),
-        ("secrets", "the test in memory", "import gc\nLEAK = any(getattr(getattr(o, '__code__', None), 'co_varnames', ())[:1] "
+        ("secrets", "the test in memory", "import gc\n"
+                                          "LEAK = any(getattr(getattr(o, '__code__', None), 'co_varnames', ())[:1] "
                                           "== ('candidate',) for o in gc.get_objects())\n"),
-        ("network", "create_connection", f"import socket\nLEAK = bool(socket.create_connection(('127.0.0.1', {port}), 1))\n"),
-        ("network", "_socket", f"import _socket\nx = _socket.socket()\nx.connect(('127.0.0.1', {port}))\nLEAK = True\n"),
-        ("network", "reload(socket)", f"import importlib, socket\nimportlib.reload(socket).create_connection(('127.0.0.1', {port}))\nLEAK = True\n"),
-        ("network", "unix socket", f"import socket\nx = socket.socket(socket.AF_UNIX)\nx.connect('{unix}')\nLEAK = True\n"),
-        ("network", "abstract unix socket", f"import socket\nx = socket.socket(socket.AF_UNIX)\nx.connect('\\0{abstract}')\nLEAK = True\n"),
+        ("network", "create_connection", f"import socket\n"
+                                         f"LEAK = bool(socket.create_connection(('127.0.0.1', {port}), 1))\n"),
+        ("network", "_socket", f"import _socket\nx = _socket.socket()\nx.connect(('127.0.0.1', {port}))\n"
+                               "LEAK = True\n"),
+        ("network", "reload(socket)", f"import importlib, socket\n"
+                                      f"importlib.reload(socket).create_connection(('127.0.0.1', {port}))\n"
+                                      "LEAK = True\n"),
+        ("network", "unix socket", f"import socket\nx = socket.socket(socket.AF_UNIX)\nx.connect('{unix}')\n"
+                                   "LEAK = True\n"),
+        ("network", "abstract unix socket", f"import socket\nx = socket.socket(socket.AF_UNIX)\n"
+                                            f"x.connect('\\0{abstract}')\nLEAK = True\n"),
         ("processes", "setsid grandchild", sleeper),
-        ("processes", "double fork daemon", f"import os\nLEAK = os.fork() == 0 and (os.fork() and os._exit(0) or os.execv('/bin/sleep', ['sleep', '{MARK}']))\n"),
-        ("processes", "daemon holding the pipes", f"import subprocess\nsubprocess.Popen(['sleep', '{MARK}'], start_new_session=True)\n"),
+        ("processes", "double fork daemon", f"import os\n"
+                                            "LEAK = os.fork() == 0 and (os.fork() and os._exit(0) or "
+                                            f"os.execv('/bin/sleep', ['sleep', '{MARK}']))\n"),
+        ("processes", "daemon holding the pipes", f"import subprocess\n"
+                                                  f"subprocess.Popen(['sleep', '{MARK}'], start_new_session=True)\n"),
         ("processes", "kill the parent", "import os, posix\nposix.kill(os.getppid(), 9)\n"),
         ("processes", "kill everything", "import os\nos.kill(-1, 9)\n"),
-        ("processes", "fork bomb", "import os\nn = 0\nwhile n < 300:\n    n += 1\n    try: os.fork()\n    except OSError: break\n"
+        ("processes", "fork bomb", "import os\nn = 0\nwhile n < 300:\n    n += 1\n    try: os.fork()\n"
+                                   "    except OSError: break\n"
                                    "LEAK = n >= 300\n"),
         ("resources", "memory hog", "x = bytearray(8 << 30)\nLEAK = True\n"),
-        ("resources", "children hold more than the limit together", "import os\nr, w = os.pipe()\nfor _ in range(6):\n"
-                                                                    "    os.fork() or (bytearray(300 << 20), os.write(w, b'1'), os._exit(0))\n"
-                                                                    "LEAK = sum(1 for _ in range(6) if os.read(r, 1)) * 300 > 1024\n"),
+        ("resources", "children hold more than the limit together",
+         "import os\nr, w = os.pipe()\nfor _ in range(6):\n"
+         "    os.fork() or (bytearray(300 << 20), os.write(w, b'1'), os._exit(0))\n"
+         "LEAK = sum(1 for _ in range(6) if os.read(r, 1)) * 300 > 1024\n"),
         ("resources", "one big file", "LEAK = open('/tmp/big', 'wb').write(bytes(40 << 20)) == 40 << 20\n"),
-        ("resources", "many files", "n = 0\nfor i in range(20):\n    try: n += open(f'/tmp/f{i}', 'wb').write(bytes(8 << 20))\n"
+        ("resources", "many files", "n = 0\nfor i in range(20):\n"
+                                    "    try: n += open(f'/tmp/f{i}', 'wb').write(bytes(8 << 20))\n"
                                     "    except OSError: break\nLEAK = n >= 40 << 20\n"),
         ("resources", "stdout flood", "import sys\nfor _ in range(4096): sys.stdout.write('x' * 65536)\n"),
         (FAKE, "sys.exit(0)", "import sys\nsys.exit(0)\n"),
@@ -100,7 +118,8 @@ def _attacks(home: Path, port: int, unix: str, abstract: str) -> list[tuple[str,
         (FAKE, "execv sh exit 0", "import os\nos.execv('/bin/sh', ['sh', '-c', 'exit 0'])\n"),
         (FAKE, "always-equal object", "Yes = type('Yes', (), {'__eq__': lambda self, other: True})\n"
                                       "has_close_elements = lambda *a: Yes()\n"),
-        (FAKE, "answers written to every fd", "import os\nfor fd in range(3, 12):\n    try: os.write(fd, b'\\0\\0\\0\\x06V True' * 20)\n"
+        (FAKE, "answers written to every fd", "import os\nfor fd in range(3, 12):\n"
+                                              "    try: os.write(fd, b'\\0\\0\\0\\x06V True' * 20)\n"
                                               "    except OSError: pass\n"),
         (FAKE, "exit inside the candidate", "import os\nhas_close_elements = lambda *a: os._exit(0)\n"),
     ]
@@ -214,7 +233,8 @@ def test_a_sample_cannot_reach_or_forge_the_resume_cache(tmp_path):
     problem = load_problems(1)[0]
     cache_dir = tmp_path / "cache"
     attack = (f"    return True\nimport glob, os, subprocess\nsubprocess.Popen(['sh', '-c', "
-              f"'sleep 0.5; for f in {cache_dir}/*.jsonl; do echo x > $f; done; sleep {MARK}'], start_new_session=True)\n"
+              f"'sleep 0.5; for f in {cache_dir}/*.jsonl; do echo x > $f; done; sleep {MARK}'], "
+              "start_new_session=True)\n"
               f"LEAK = [open(f, 'w').write('x') for f in glob.glob('{cache_dir}/*')]\n")
     calls = []
 

@@ -81,7 +81,8 @@ def test_command_for_static_and_rendezvous_launch():
                               master_port=6000, extra_args=["--run-dir", "r"])
     assert {"--nproc-per-node=8", "--nnodes=2", "--node-rank=1", "--master-addr=10.0.0.1",
             "--master-port=6000"} <= set(static)
-    tail = static[static.index("megatron_core.pretrain_gpt") - 1:]  # torchrun may itself be `python -m torch.distributed.run`
+    # torchrun may itself be `python -m torch.distributed.run`
+    tail = static[static.index("megatron_core.pretrain_gpt") - 1:]
     assert tail == ["-m", "megatron_core.pretrain_gpt", "--recipe", "smoke", "--set", "lr=1e-3",
                     "--set", "parallel.world_size=16", "--run-dir", "r"]
     rdzv = torchrun_command("smoke", [], 8, nnodes=4, rdzv_endpoint="head:29400")

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_core import checkpoint_format
 from megatron_core.pretrain_gpt import main as train_main
 from megatron_core.pretrain_gpt import train
-from megatron_core.training import checkpointing as ckpt
 from megatron_core.training.logging import RunLogger
 from megatron_core.training.trainer import NonFiniteTrainingError
-from training_fixtures import TINY_OVERRIDES, VOCAB_SIZE, corpus, one_thread, tiny_recipe  # noqa: F401 - fixtures
+from training_fixtures import TINY_OVERRIDES, VOCAB_SIZE, fixture_corpus, fixture_one_thread, tiny_recipe  # noqa: F401 - fixtures
 
 QUICK = ("train_iters=10", "eval_iters=0", "hidden_dropout=0.0", "attention_dropout=0.0")
 
@@ -85,7 +85,8 @@ def test_one_nan_gradient_is_skipped_counted_and_training_goes_on(monkeypatch, c
     assert all(torch.equal(snapshots[6][n], snapshots[7][n]) for n in snapshots[6])
     assert not all(torch.equal(snapshots[5][n], snapshots[6][n]) for n in snapshots[5])
     records = {r["iteration"]: r for r in strict_records(tmp_path / "metrics.jsonl") if r["type"] == "train"}
-    assert (records[6]["skipped"], records[6]["nan"], records[6]["lm_loss"], records[6]["grad_norm"]) == (1, 1, None, None)
+    six = records[6]
+    assert (six["skipped"], six["nan"], six["lm_loss"], six["grad_norm"]) == (1, 1, None, None)
     assert all(r["skipped"] == r["nan"] == 0 and math.isfinite(r["lm_loss"]) for it, r in records.items() if it != 6)
     assert records[10]["lm_loss"] < records[1]["lm_loss"]
     assert records[6]["lr"] == records[5]["lr"]  # a skipped step does not advance the schedule
@@ -113,7 +114,7 @@ def test_consecutive_nan_steps_stop_the_run_with_exit_2_and_no_nan_checkpoint(mo
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
     assert not (save / "iter_0000007").exists() and not (tmp_path / "summary.json").exists()
     assert all_checkpoint_tensors_finite(save) == []
-    state = ckpt.load_checkpoint_file(save / "iter_0000006" / "mp_rank_00" / "model_optim_rng.pt")
+    state = checkpoint_format.load_checkpoint_file(save / "iter_0000006" / "mp_rank_00" / "model_optim_rng.pt")
     assert state["train_counters"] == {"skipped_iterations": 2, "nan_iterations": 2}
 
 

@@ -123,8 +123,9 @@ def test_stage_layers_contiguous_and_megatrons_interleaved_layout():
     held = sorted(l for r in range(4) for c in range(3)
                   for l in stage_layers(12, 4, r, num_layers_per_virtual_pipeline_stage=1, virtual_rank=c))
     assert held == list(range(12))
-    with pytest.raises(ps.ParallelLayoutError, match="num_layers 8 is not divisible by pipeline_model_parallel_size 2 x "
-                                                     "num_layers_per_virtual_pipeline_stage 3 = 6"):
+    with pytest.raises(ps.ParallelLayoutError,
+                       match="num_layers 8 is not divisible by pipeline_model_parallel_size 2 x "
+                             "num_layers_per_virtual_pipeline_stage 3 = 6"):
         ps.validate_layout(2, 1, 2, num_layers=8, num_layers_per_virtual_pipeline_stage=3)
 
 
@@ -138,13 +139,13 @@ def test_collective_tensors_are_made_on_the_training_device_whatever_the_backend
     class Recorded(Exception):
         pass
 
-    def all_reduce(tensor, *args, **kwargs):
+    def all_reduce(tensor, *_args, **_kwargs):
         seen.append(tensor.device.type)
         raise Recorded
 
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
-    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    monkeypatch.setattr(dist, "get_world_size", lambda *_args, **_kwargs: 2)
+    monkeypatch.setattr(dist, "get_backend", lambda *_args, **_kwargs: "gloo")
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
     monkeypatch.setattr(ps, "get_data_parallel_group", lambda: object())
     monkeypatch.setattr(ps, "get_data_parallel_world_size", lambda: 2)

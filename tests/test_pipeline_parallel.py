@@ -76,7 +76,7 @@ def run_schedules(micro_batch_counts: list[int]) -> list[dict]:
                 events.append("F")
                 output = model(micro_batch(index))
                 if output.requires_grad:
-                    output.register_hook(lambda grad: events.append("B"))
+                    output.register_hook(lambda _grad: events.append("B"))
 
                 def loss_func(per_token):
                     loss = per_token.mean()
@@ -191,7 +191,7 @@ def run_interleaved(pp: int, v: int, micro_batch_counts: list[int]) -> dict:
                 events.append(("F", chunk.chunk, index))
                 output = chunk(micro_batch(index))
                 if output.requires_grad:
-                    output.register_hook(lambda grad, c=chunk.chunk, i=index: events.append(("B", c, i)))
+                    output.register_hook(lambda _grad, c=chunk.chunk, i=index: events.append(("B", c, i)))
 
                 def loss_func(per_token):
                     loss = per_token.mean()
@@ -206,7 +206,7 @@ def run_interleaved(pp: int, v: int, micro_batch_counts: list[int]) -> dict:
                             "losses": [float(s["lm loss"]) for s in stats],
                             "grads": [None if c.weight.grad is None else c.weight.grad.clone() for c in chunks]})
     try:
-        forward_backward_pipelining_with_interleaving(lambda it, m: None, iter(()), model, pp + 1,
+        forward_backward_pipelining_with_interleaving(lambda _it, _m: None, iter(()), model, pp + 1,
                                                       seq_length=SEQ, micro_batch_size=MICRO, hidden_size=HIDDEN)
         refused = None
     except UserError as exc:

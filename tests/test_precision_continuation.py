@@ -7,13 +7,19 @@ from __future__ import annotations
 import shutil
 
 import pytest
-import torch
 
 from megatron_core import checkpoint_format
 from megatron_core.pretrain_gpt import train
-from megatron_core.training import checkpointing as ckpt
 from megatron_core.training.logging import read_metrics
-from training_fixtures import VOCAB_SIZE, corpus, one_thread, tiny_recipe, train_below_checks, train_losses, write_corpus  # noqa: F401 - fixtures
+from training_fixtures import (  # noqa: F401 - fixtures
+    VOCAB_SIZE,
+    fixture_corpus,
+    fixture_one_thread,
+    tiny_recipe,
+    train_below_checks,
+    train_losses,
+    write_corpus,
+)
 
 PRECISIONS = {"fp32": (), "bf16": ("bf16=true",), "fp16": ("fp16=true", "initial_loss_scale=1024")}
 ITERS, AT = 20, 12  # the runs are 20 iterations long; continuations start from the checkpoint at 12
@@ -35,9 +41,9 @@ def _runner(precision: str):
 
 def _copy_iteration(run_dir, to) -> None:
     """A run directory holding only run_dir's checkpoint at AT, as if training had stopped there."""
-    source = ckpt.iteration_dir(run_dir / "checkpoints", AT)
-    shutil.copytree(source, ckpt.iteration_dir(to / "checkpoints", AT))
-    (to / "checkpoints" / ckpt.TRACKER_FILENAME).write_text(f"{AT}\n")
+    source = checkpoint_format.iteration_dir(run_dir / "checkpoints", AT)
+    shutil.copytree(source, checkpoint_format.iteration_dir(to / "checkpoints", AT))
+    (to / "checkpoints" / checkpoint_format.TRACKER_FILENAME).write_text(f"{AT}\n")
 
 
 def _losses(run_dir) -> dict[int, float]:
@@ -63,7 +69,8 @@ def test_continuation_keeps_the_weights(precision, corpus, tmp_path):
     # Full checkpoint: resuming at AT gives the uninterrupted run's losses bit for bit.
     _copy_iteration(straight, tmp_path / "full")
     run(_recipe(precision), tmp_path / "full", corpus, vocab_size=VOCAB_SIZE)
-    assert {k: v for k, v in _losses(tmp_path / "full").items() if k > AT} == {k: v for k, v in losses.items() if k > AT}
+    after = {k: v for k, v in losses.items() if k > AT}
+    assert {k: v for k, v in _losses(tmp_path / "full").items() if k > AT} == after
 
     # Model-only checkpoint (--no-save-optim): a fresh optimizer, the loaded weights.
     run(_recipe(precision), model_only, corpus, vocab_size=VOCAB_SIZE, save_optim=False)
@@ -73,7 +80,7 @@ def test_continuation_keeps_the_weights(precision, corpus, tmp_path):
     assert _continues(before, [continued[AT + i] for i in (2, 3, 4)], fresh), (before, continued)
 
     # import-hf's `release` (weights only, no recipe): the model starts from them, the rest from zero.
-    state = ckpt.load_checkpoint_file(ckpt.checkpoint_file(straight / "checkpoints", AT))
+    state = checkpoint_format.load_checkpoint_file(checkpoint_format.checkpoint_file(straight / "checkpoints", AT))
     checkpoint_format.write_checkpoint(tmp_path / "release", {(0, 0): state["model"]}, state["args"], "release")
     run(_recipe(precision), tmp_path / "from-release", corpus, load=tmp_path / "release", vocab_size=VOCAB_SIZE)
     from_release = _losses(tmp_path / "from-release")

@@ -27,9 +27,9 @@ import torch
 
 import test_parallel_equivalence as proof
 from distributed_utils import run_distributed
+from megatron_core import checkpoint_format as cf
 from megatron_core import parallel_state as ps
 from megatron_core.config import recipe_from_dict
-from megatron_core.training import checkpointing as ckpt
 from megatron_core.training.logging import read_metrics
 
 ITERS, SAVED_AT, RTOL = 12, 6, 1e-4
@@ -78,7 +78,7 @@ def checkpoint_at(save: Path, iteration: int = SAVED_AT) -> Path:
     copy = save.with_name(f"{save.name}-at-{iteration}")
     if not copy.exists():
         shutil.copytree(save / f"iter_{iteration:07d}", copy / f"iter_{iteration:07d}")
-        (copy / ckpt.TRACKER_FILENAME).write_text(f"{iteration}\n")
+        (copy / cf.TRACKER_FILENAME).write_text(f"{iteration}\n")
     return copy
 
 
@@ -136,13 +136,13 @@ def tp1(root) -> dict:
 
 
 @pytest.fixture(scope="module")
-def four_rank(root, tp1) -> dict:
+def four_rank(root, tp1) -> dict:  # noqa: ARG001 - reads the files tp1 writes in root
     ranks = run_distributed(four_rank_work, 4, str(root), timeout=400)
     return {key: next(r[key] for r in ranks if r[key] is not None) for key in ranks[0]}
 
 
 @pytest.fixture(scope="module")
-def tp2pp2_checkpoint(root, four_rank) -> Path:
+def tp2pp2_checkpoint(root, four_rank) -> Path:  # noqa: ARG001 - four_rank writes it
     return reference_checkpoint(root)
 
 
@@ -202,7 +202,8 @@ def masters_hold_more_than_the_weights(pairs: list[tuple]) -> float:
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_resumed_masters_are_the_checkpoints_fp32_values(root, four_rank, precision, tmp_path):
+@pytest.mark.usefixtures("four_rank")
+def test_resumed_masters_are_the_checkpoints_fp32_values(root, precision, tmp_path):
     """TP 1 resuming the TP 2 x PP 2 checkpoint takes its fp32 masters, not the 16-bit weights made
     fp32 again (the losses cannot tell those apart at RTOL, see PRECISIONS): after 6 fp32 Adam steps
     nearly every master has bits its 16-bit weight lacks. A resume that rebuilt the masters from the
@@ -216,7 +217,7 @@ def test_resumed_masters_are_the_checkpoints_fp32_values(root, four_rank, precis
 
 
 @pytest.fixture(scope="module")
-def dp2(root, four_rank) -> dict:
+def dp2(root, four_rank) -> dict:  # noqa: ARG001 - resumes the checkpoints four_rank writes in root
     return next(r for r in run_distributed(dp2_work, 2, str(root), timeout=300) if r["fp32"] is not None)
 
 
@@ -231,16 +232,16 @@ def as_earlier_versions_wrote_it(checkpoint: Path, to: Path) -> Path:
     fp32 master and Adam moments whole (flattened; gathered on DP rank 0), and no per-DP-rank files.
     Built here from the per-DP-rank pieces."""
     shutil.copytree(checkpoint, to)
-    for model_file in to.rglob(ckpt.MODEL_FILENAME):
+    for model_file in to.rglob(cf.MODEL_FILENAME):
         rank_dir = model_file.parent
-        state = ckpt.load_checkpoint_file(model_file)
-        weights = ckpt.flatten_model_state(state["model"])
+        state = cf.load_checkpoint_file(model_file)
+        weights = cf.flatten_model_state(state["model"])
         whole = {name: {key: torch.zeros(w.numel()) for key in ("fp32_param", "exp_avg", "exp_avg_sq")}
                  for name, w in weights.items()}
         pieces_files = sorted(rank_dir.glob("distrib_optim_dp_*.pt"))
         assert len(pieces_files) == state["args"].data_parallel_size > 1
         for pieces_file in pieces_files:
-            for name, piece in ckpt.load_checkpoint_file(pieces_file)["param_state"].items():
+            for name, piece in cf.load_checkpoint_file(pieces_file)["param_state"].items():
                 start = piece.pop("start")
                 for key, tensor in piece.items():
                     whole[name][key][start:start + tensor.numel()] = tensor
@@ -252,7 +253,8 @@ def as_earlier_versions_wrote_it(checkpoint: Path, to: Path) -> Path:
 
 
 @pytest.mark.parametrize("form", ["per-DP-rank pieces", "earlier versions' gathered distrib_optim.pt"])
-def test_tp1_resumes_a_dp2_distributed_optimizer_checkpoint(root, four_rank, dp2, form, tmp_path):
+@pytest.mark.usefixtures("dp2")
+def test_tp1_resumes_a_dp2_distributed_optimizer_checkpoint(root, four_rank, form, tmp_path):
     """Same TP x PP, another DP size and the ordinary optimizer: the DP ranks' pieces are glued back;
     a checkpoint of earlier versions (one gathered file per model-parallel rank) resumes alike."""
     torch.set_num_threads(1)
@@ -287,7 +289,7 @@ def two_rank_resume(root: Path, name: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def sp(root, tp1) -> dict:
+def sp(root, tp1) -> dict:  # noqa: ARG001 - reads the files tp1 writes in root
     """TP 2 with sequence parallelism."""
     return two_rank_resume(root, "sp")
 
@@ -296,14 +298,15 @@ def test_tp2_sequence_parallel_resumes_a_tp1_checkpoint(tp1, sp):
     assert_continues(sp, tp1, "TP2 SP from TP1")
 
 
-def test_tp1_resumes_a_tp2_sequence_parallel_checkpoint(root, tp1, sp):
+@pytest.mark.usefixtures("sp")
+def test_tp1_resumes_a_tp2_sequence_parallel_checkpoint(root, tp1):
     torch.set_num_threads(1)
     losses = run(TP1, root / "tp1-from-sp", load=checkpoint_at(root / "sp-ckpt", 9))
     assert_continues(losses, tp1, "TP1 from TP2 SP", after=9)
 
 
 @pytest.fixture(scope="module")
-def vpp(root, tp1) -> dict:
+def vpp(root, tp1) -> dict:  # noqa: ARG001 - reads the files tp1 writes in root
     """PP 2 with 2 virtual chunks per rank (model0, model1)."""
     return two_rank_resume(root, "vpp")
 
@@ -311,11 +314,12 @@ def vpp(root, tp1) -> dict:
 def test_pp2_vpp2_resumes_a_tp1_checkpoint_chunk_by_chunk(root, tp1, vpp):
     """Each (PP rank, chunk) is a pipeline position in model order: chunk c of rank r gets layer c x PP + r."""
     assert_continues(vpp, tp1, "PP2 VPP2 from TP1")
-    saved = ckpt.load_checkpoint_file(root / "vpp-ckpt" / f"iter_{9:07d}" / "mp_rank_00_000" / ckpt.MODEL_FILENAME)
+    saved = cf.load_checkpoint_file(root / "vpp-ckpt" / f"iter_{9:07d}" / "mp_rank_00_000" / cf.MODEL_FILENAME)
     assert "model" not in saved and sorted(k for k in saved if k.startswith("model")) == ["model0", "model1"]
 
 
-def test_tp1_resumes_a_pp2_vpp2_checkpoint(root, tp1, vpp):
+@pytest.mark.usefixtures("vpp")
+def test_tp1_resumes_a_pp2_vpp2_checkpoint(root, tp1):
     torch.set_num_threads(1)
     losses = run(TP1, root / "tp1-from-vpp", load=checkpoint_at(root / "vpp-ckpt", 9))
     assert_continues(losses, tp1, "TP1 from PP2 VPP2", after=9)
@@ -328,37 +332,40 @@ def _copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-def test_missing_rank_files_are_named_and_nothing_is_written(root, tp2pp2_checkpoint, tmp_path):
+def test_missing_rank_files_are_named_and_nothing_is_written(tp2pp2_checkpoint, tmp_path):
     load = _copy(tp2pp2_checkpoint, tmp_path / "load")
     shutil.rmtree(load / f"iter_{SAVED_AT:07d}" / "mp_rank_01_001")
     before = sorted(str(p) for p in load.rglob("*"))
-    with pytest.raises(ckpt.CheckpointError, match=r"iter_0000006/mp_rank_01_001/model_optim_rng.pt is missing or truncated \(the manifest "):
+    with pytest.raises(cf.CheckpointError,
+                       match=r"iter_0000006/mp_rank_01_001/model_optim_rng.pt is missing or truncated \(the manifest "):
         run(TP1, tmp_path / "run", load=load, save=tmp_path / "save")
     assert sorted(str(p) for p in load.rglob("*")) == before and not (tmp_path / "save").exists()
 
 
-def test_missing_distributed_optimizer_files_are_named(root, dp2, tmp_path):
+@pytest.mark.usefixtures("dp2")
+def test_missing_distributed_optimizer_files_are_named(root, tmp_path):
     load = _copy(root / "dp2-ckpt", tmp_path / "load")
     for older in load.glob("iter_*"):  # nothing to fall back to: the damaged iteration's reason is the error
         if older.name != f"iter_{ITERS:07d}":
             shutil.rmtree(older)
-    (load / f"iter_{ITERS:07d}" / "mp_rank_00" / ckpt.distrib_optim_filename(1)).unlink()
-    with pytest.raises(ckpt.CheckpointError, match="mp_rank_00/distrib_optim_dp_001.pt is missing or truncated"):
+    (load / f"iter_{ITERS:07d}" / "mp_rank_00" / cf.distrib_optim_filename(1)).unlink()
+    with pytest.raises(cf.CheckpointError, match="mp_rank_00/distrib_optim_dp_001.pt is missing or truncated"):
         run(TP1, tmp_path / "run", load=load, save=tmp_path / "save")
     assert not (tmp_path / "save").exists()
 
 
 @pytest.mark.parametrize("damage", ["parameter missing", "moment missing"])
-def test_an_earlier_versions_distrib_optim_file_that_lacks_a_parameter_is_named(root, dp2, tmp_path, damage):
+@pytest.mark.usefixtures("dp2")
+def test_an_earlier_versions_distrib_optim_file_that_lacks_a_parameter_is_named(root, tmp_path, damage):
     load = as_earlier_versions_wrote_it(checkpoint_at(root / "dp2-ckpt", 9), tmp_path / "earlier")
     gathered = load / "iter_0000009" / "mp_rank_00" / "distrib_optim.pt"
-    state = ckpt.load_checkpoint_file(gathered)
+    state = cf.load_checkpoint_file(gathered)
     if damage == "parameter missing":
         del state["param_state"]["encoder.final_layernorm.weight"]
     else:
         del state["param_state"]["encoder.final_layernorm.weight"]["exp_avg"]
     torch.save(state, gathered)
-    with pytest.raises(ckpt.CheckpointError, match=r"distrib_optim.pt lacks the whole state of "
+    with pytest.raises(cf.CheckpointError, match=r"distrib_optim.pt lacks the whole state of "
                                                    r"\['encoder.final_layernorm.weight'\] \(1 parameter"):
         run(TP1, tmp_path / "run", load=load, save=tmp_path / "save")
     assert not (tmp_path / "save").exists()
@@ -374,13 +381,13 @@ def resume_tp1_with(model_changes: dict, load: Path, run_dir: Path):
 
 
 def test_a_changed_model_shape_is_refused_with_the_changed_keys(tp2pp2_checkpoint, tmp_path):
-    with pytest.raises(ckpt.CheckpointError, match="changed keys that alter training: model.hidden_size, "
+    with pytest.raises(cf.CheckpointError, match="changed keys that alter training: model.hidden_size, "
                                                    "model.num_attention_heads"):
         resume_tp1_with({"hidden_size": 64, "num_attention_heads": 8}, tp2pp2_checkpoint, tmp_path)
 
 
 def test_another_vocabulary_padding_is_refused_with_the_fix(tp2pp2_checkpoint, tmp_path):
     """The TP 2 checkpoint pads 100 tokens to 128 (64 x TP 2); TP 1 with make_vocab_size_divisible_by 16 pads to 112."""
-    with pytest.raises(ckpt.CheckpointError, match="pads the vocabulary to 128 rows .*this run to 112; pad alike: "
+    with pytest.raises(cf.CheckpointError, match="pads the vocabulary to 128 rows .*this run to 112; pad alike: "
                                                    "--set make_vocab_size_divisible_by=128"):
         resume_tp1_with({"make_vocab_size_divisible_by": 16}, tp2pp2_checkpoint, tmp_path)

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron_core import checkpoint_format as cf
 from megatron_core import parallel_state as ps
 from megatron_core import pretrain_gpt as train_lib
 from megatron_core import tensor_parallel
@@ -20,7 +21,7 @@ from megatron_core.errors import UserError
 from megatron_core.tensor_parallel.random import MODEL_PARALLEL_RNG, get_rng_tracker, model_parallel_manual_seed
 from megatron_core.training import checkpointing as ckpt
 from megatron_core.training.logging import read_metrics
-from training_fixtures import VOCAB_SIZE, corpus, one_thread, tiny_recipe, train_losses  # noqa: F401 - fixtures
+from training_fixtures import VOCAB_SIZE, fixture_corpus, fixture_one_thread, tiny_recipe, train_losses  # noqa: F401 - fixtures
 
 SEED = 1234
 CUDA_STATE_BYTES = 16  # a CUDA (Philox) generator's state: seed and offset
@@ -44,9 +45,10 @@ def gpu_host(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "_lazy_init", lazy_init)  # what opens the CUDA context
-    monkeypatch.setattr(torch.cuda, "get_rng_state", recorded("get_rng_state", lambda device="cuda": fake.get_state()))
+    monkeypatch.setattr(torch.cuda, "get_rng_state",
+                        recorded("get_rng_state", lambda *_args, **_kwargs: fake.get_state()))
     monkeypatch.setattr(torch.cuda, "set_rng_state",
-                        recorded("set_rng_state", lambda s, device="cuda": fake.set_state(s)))
+                        recorded("set_rng_state", lambda s, *_args, **_kwargs: fake.set_state(s)))
     monkeypatch.setattr(torch.cuda, "manual_seed", recorded("manual_seed", lambda s: fake.manual_seed(s)))
     monkeypatch.setattr(torch.cuda, "manual_seed_all", recorded("manual_seed_all", lambda s: fake.manual_seed(s)))
     yield calls
@@ -166,7 +168,7 @@ def test_cpu_to_cpu_restore_keeps_the_exact_stream(legacy):
 # -- resume through Trainer.maybe_resume ---------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, corpus, one_thread):
+def reference(tmp_path_factory, corpus):
     """4 iterations with dropout, a checkpoint at 2."""
     run_dir = tmp_path_factory.mktemp("reference")
     train_lib.train(_recipe(), run_dir, corpus, vocab_size=VOCAB_SIZE)
@@ -181,7 +183,7 @@ def _resume_dir(reference, target, edit) -> None:
     """target/checkpoints: the reference's iteration-2 checkpoint with its rng_state edited by `edit`."""
     save = target / "checkpoints" / "iter_0000002" / "mp_rank_00"
     save.mkdir(parents=True)
-    state = ckpt.load_checkpoint_file(reference / "checkpoints" / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt")
+    state = cf.load_checkpoint_file(reference / "checkpoints" / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt")
     edit(state["rng_state"][0])
     torch.save(state, save / "model_optim_rng.pt")
     (target / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("2\n")

@@ -34,17 +34,21 @@ LONG = ["--set", "training.train_iters=100000", "--set", "training.save_interval
 def _write_lock(run_dir: Path, **holder) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / run_lock.LOCK_FILENAME
-    path.write_text(json.dumps({"job": "torchrun:other:1:none:2", "host": socket.gethostname(), "started": 0.0,
+    path.write_text(json.dumps({"job": "another job", "host": socket.gethostname(), "boot": run_lock._boot_id(),
                                 **holder}))
     return path
 
 
+def _sleeper() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
 def test_a_live_holder_is_refused_by_name(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    holder = _sleeper()
     try:
-        path = _write_lock(tmp_path, pid=holder.pid, started=run_lock._process_start(holder.pid))
+        path = _write_lock(tmp_path, pid=holder.pid, ticks=run_lock._start_ticks(holder.pid))
         with pytest.raises(run_lock.RunLocked, match=f"in use by process {holder.pid} on host {socket.gethostname()}"):
-            run_lock.acquire(tmp_path)
+            run_lock.acquire(tmp_path, "this job")
         assert json.loads(path.read_text())["pid"] == holder.pid  # untouched
     finally:
         holder.kill()
@@ -52,39 +56,58 @@ def test_a_live_holder_is_refused_by_name(tmp_path):
 
 
 def test_a_lock_from_another_host_is_refused(tmp_path):
-    _write_lock(tmp_path, pid=1, host="node-that-is-not-here")
+    _write_lock(tmp_path, pid=1, ticks=0, host="node-that-is-not-here")
     with pytest.raises(run_lock.RunLocked, match="node-that-is-not-here.*delete the lock file"):
-        run_lock.acquire(tmp_path)
+        run_lock.acquire(tmp_path, "this job")
 
 
 def test_a_stale_lock_is_taken_over_with_a_log_line_and_released(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    path = _write_lock(tmp_path, pid=dead.pid)
+    path = _write_lock(tmp_path, pid=dead.pid, ticks=12345)
     said = []
-    with run_lock.hold_run_lock(tmp_path, log=said.append):
-        assert json.loads(path.read_text())["pid"] == os.getpid()
-        assert len(said) == 1 and f"left by process {dead.pid}" in said[0] and "taking it over" in said[0]
+    lock = run_lock.acquire(tmp_path, "this job", log=said.append)
+    assert lock == path and json.loads(path.read_text())["pid"] == os.getpid()
+    assert len(said) == 1 and f"left by process {dead.pid}" in said[0] and "taking it over" in said[0]
+    run_lock.release(lock)
     assert not path.exists()
 
 
-def test_a_reused_pid_is_stale(tmp_path):
-    # the lock names this very process, but says it started a day before this process did
-    path = _write_lock(tmp_path, pid=os.getpid(), started=time.time() - 86400, job="process:elsewhere:1")
-    assert run_lock.acquire(tmp_path, log=lambda _: None) == path
+def test_a_reused_pid_or_a_reboot_is_stale(tmp_path):
+    # the lock names this very process, but a start tick it never had, then another boot
+    me = run_lock._start_ticks(os.getpid())
+    for stale in ({"ticks": me + 1}, {"ticks": me, "boot": "another boot"}):
+        path = _write_lock(tmp_path, pid=os.getpid(), **stale)
+        assert run_lock.acquire(tmp_path, "this job", log=lambda _: None) == path
+        path.unlink()
 
 
-def test_the_nodes_of_one_job_share_the_lock(tmp_path, monkeypatch):
-    monkeypatch.setenv("MASTER_ADDR", "node0")
-    monkeypatch.setenv("MASTER_PORT", "29500")
-    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+def test_the_nodes_of_one_job_share_the_lock_and_other_jobs_do_not(tmp_path):
+    holder = _sleeper()
     try:
-        path = _write_lock(tmp_path, pid=holder.pid, job=run_lock.job_id(), host="node1", started=time.time())
-        assert run_lock.acquire(tmp_path) is None  # node 1 holds it for this job: shared, not re-made
+        path = _write_lock(tmp_path, pid=holder.pid, ticks=run_lock._start_ticks(holder.pid), job="job-a",
+                           host="node1")
+        assert run_lock.acquire(tmp_path, "job-a") is None  # node 1 holds it for this job: shared, not re-made
+        with pytest.raises(run_lock.RunLocked):
+            run_lock.acquire(tmp_path, "job-b")  # same launcher settings or not: another token, another job
         assert json.loads(path.read_text())["host"] == "node1"
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_two_processes_taking_over_one_stale_lock_cannot_both_win(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    _write_lock(tmp_path, pid=dead.pid, ticks=1)
+    code = ("import sys, time; from megatron_core.training import run_lock\n"
+            "try:\n    run_lock.acquire(sys.argv[1], sys.argv[2], log=lambda _: None); print('won', flush=True)\n"
+            "except run_lock.RunLocked:\n    print('refused', flush=True)\n"
+            "time.sleep(3)\n")
+    racers = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), f"job-{i}"], stdout=subprocess.PIPE,
+                               text=True, cwd=ROOT) for i in range(4)]
+    verdicts = sorted(r.communicate(timeout=60)[0].strip() for r in racers)
+    assert verdicts == ["refused", "refused", "refused", "won"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -95,8 +118,8 @@ def test_the_nodes_of_one_job_share_the_lock(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def smoke_data(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("faults-work")
-    proc = subprocess.run([sys.executable, "-m", "invoke", "preprocess", "--recipe", "smoke", "--workdir", str(workdir)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "invoke", "preprocess", "--recipe", "smoke",
+                           "--workdir", str(workdir)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     subprocess.run([sys.executable, "-m", "invoke", "tokenizer", "--recipe", "smoke", "--workdir", str(workdir)],
                    cwd=ROOT, capture_output=True, text=True, timeout=300, check=True)
@@ -147,9 +170,14 @@ def _train_iterations(run_dir: Path) -> list[int]:
 
 
 @pytest.mark.slow
-def test_ctrl_c_through_invoke_saves_where_it_stopped_and_exits_130(smoke_data):
+@pytest.mark.parametrize("launcher", [[], ["--torchrun"]], ids=["python", "torchrun"])
+def test_ctrl_c_through_invoke_saves_where_it_stopped_and_exits_130(smoke_data, launcher):
+    """torchrun starts its workers in sessions of their own: the signal must reach them, not only torchrun
+    (whose own handler would kill them 30 s later)."""
     run_dir = _run_dir(smoke_data)
-    proc = _start_train(smoke_data)
+    for stale in (run_dir / "checkpoints", run_dir / "metrics.jsonl", run_dir / "summary.json"):
+        subprocess.run(["rm", "-rf", str(stale)], check=True)
+    proc = _start_train(smoke_data, *launcher)
     _wait_for_iteration(run_dir, proc, 3)
     os.killpg(proc.pid, signal.SIGINT)  # the terminal sends Ctrl-C to the job's whole process group
     out, _ = proc.communicate(timeout=120)
@@ -165,7 +193,7 @@ def test_ctrl_c_through_invoke_saves_where_it_stopped_and_exits_130(smoke_data):
 @pytest.mark.slow
 def test_a_second_run_is_refused_and_sigterm_to_invoke_stops_the_first(smoke_data):
     run_dir = _run_dir(smoke_data)
-    for stale in (run_dir / "checkpoints", run_dir / "metrics.jsonl"):  # the other test's run, if it ran first
+    for stale in (run_dir / "checkpoints", run_dir / "metrics.jsonl", run_dir / "summary.json"):  # earlier tests
         subprocess.run(["rm", "-rf", str(stale)], check=True)
     first = _start_train(smoke_data, "--from-scratch")
     _wait_for_iteration(run_dir, first, 2)

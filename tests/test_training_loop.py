@@ -12,19 +12,27 @@ from megatron_core.errors import UserError
 from megatron_core.pretrain_gpt import main as train_main
 from megatron_core.pretrain_gpt import train
 from megatron_core.training.logging import read_metrics
-from training_fixtures import VOCAB_SIZE, corpus, one_thread, tiny_recipe, train_below_checks, train_losses, write_corpus  # noqa: F401 - fixtures
+from training_fixtures import (  # noqa: F401 - fixtures
+    VOCAB_SIZE,
+    fixture_corpus,
+    fixture_one_thread,
+    tiny_recipe,
+    train_below_checks,
+    train_losses,
+    write_corpus,
+)
 
 
 
 
 @pytest.fixture(scope="module")
-def first_run(tmp_path_factory, corpus, one_thread):
+def first_run(tmp_path_factory, corpus):
     run_dir = tmp_path_factory.mktemp("run-a")
     summary = train(tiny_recipe("train_iters=24", "save_interval=null"), run_dir, corpus, vocab_size=VOCAB_SIZE)
     return run_dir, summary
 
 
-def test_loss_decreases_and_outputs_are_written(first_run, capsys):
+def test_loss_decreases_and_outputs_are_written(first_run):
     run_dir, summary = first_run
     metrics = read_metrics(run_dir)
     losses = train_losses(metrics)
@@ -95,6 +103,7 @@ def test_fp16_loop_skips_injected_inf_and_recovers(corpus, tmp_path, monkeypatch
 def test_bf16_trains_close_to_fp32_with_bf16_weights_and_fp32_master(first_run, corpus, tmp_path):
     """bf16: the model's parameters are bf16, the optimizer steps fp32 master copies, and the losses follow
     the fp32 run within bf16's precision."""
+    from megatron_core import checkpoint_format
     from megatron_core.training import checkpointing as ckpt
 
     recipe = tiny_recipe("train_iters=24", "save_interval=null", "bf16=true")
@@ -105,7 +114,7 @@ def test_bf16_trains_close_to_fp32_with_bf16_weights_and_fp32_master(first_run, 
     for it in (1, 12, 24):
         assert bf16[it] == pytest.approx(fp32[it], rel=3e-2), it
     state = ckpt.load_latest(tmp_path / "checkpoints")[1]
-    weights = ckpt.flatten_model_state(state["model"])
+    weights = checkpoint_format.flatten_model_state(state["model"])
     assert {t.dtype for t in weights.values()} == {torch.bfloat16}
     assert state["args"].params_dtype == "bfloat16"
     masters = {name: entry["fp32_param"] for name, entry in state["optimizer"]["param_state"].items()}
@@ -167,13 +176,14 @@ def test_fp16_is_accepted_where_it_trains_on_a_gpu(monkeypatch):
 
 
 def test_cli_reports_errors_for_people(tmp_path, capsys):
-    rc = train_main(["--recipe", "smoke", "--set", "lr=0", "--set", "min_lr=0", "--data-path", str(tmp_path / "nothing"),
-                     "--vocab-size", "100", "--run-dir", str(tmp_path / "run")])
+    rc = train_main(["--recipe", "smoke", "--set", "lr=0", "--set", "min_lr=0",
+                     "--data-path", str(tmp_path / "nothing"), "--vocab-size", "100",
+                     "--run-dir", str(tmp_path / "run")])
     assert rc == 2
     assert "error: cannot train this recipe: training.lr must be > 0" in capsys.readouterr().err
 
 
-def test_megatron_log_line_format(first_run, capsys, corpus, tmp_path):
+def test_megatron_log_line_format():
     from megatron_core.training.logging import megatron_train_line
 
     line = megatron_train_line(iteration=10, train_iters=300, consumed_samples=320, elapsed_ms=123.45, tflops=1.23,
@@ -249,7 +259,8 @@ def test_fp16_skipped_iterations_are_reported_as_skipped_not_as_nan_losses(corpu
     summary = strict((tmp_path / "summary.json").read_text())
     assert summary["skipped_iterations"] == sum(r["skipped"] for r in records) >= 6 and summary["nan_iterations"] == 0
     verdict = golden.sanity(tmp_path / "metrics.jsonl")
-    assert verdict.startswith(f"sane: {len(stepped)} train values") and f"{summary['skipped_iterations']} iterations skipped" in verdict
+    assert verdict.startswith(f"sane: {len(stepped)} train values")
+    assert f"{summary['skipped_iterations']} iterations skipped" in verdict
 
 
 @pytest.mark.parametrize("extra, rc", [((), 0), (("--set", "world_size=2"), 2)])

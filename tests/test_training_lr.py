@@ -94,7 +94,8 @@ def _megatron_scheduler(optimizer, training):
 def _training():
     from megatron_core.config import load_recipe
 
-    return load_recipe("smoke", ["lr_warmup_iters=5", "train_iters=40", "lr_decay_style=cosine", "min_lr=1e-5"]).training
+    overrides = ["lr_warmup_iters=5", "train_iters=40", "lr_decay_style=cosine", "min_lr=1e-5"]
+    return load_recipe("smoke", overrides).training
 
 
 def test_megatron_core_reads_our_scheduler_state_and_we_read_its():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_core.training import flops
-from megatron_core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from megatron_core.optimizer.grad_scaler import DynamicGradScaler
 from megatron_core.optimizer.optimizer import AdamSettings, MegatronOptimizer, param_groups
 
 
@@ -328,13 +328,13 @@ def test_a_rank_without_gradients_reduces_on_the_training_device(monkeypatch, pr
 
     seen = []
 
-    def all_reduce(tensor, op=None, group=None):
+    def all_reduce(tensor, *_args, **_kwargs):
         seen.append(tensor.device)
         raise _CollectiveReached
 
     monkeypatch.setattr(parallel_state, "get_model_parallel_group", lambda: "model-parallel group")
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_world_size", lambda *_args, **_kwargs: 2)
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
     model = TwoLayer().half() if precision == "fp16" else TwoLayer()
     opt = MegatronOptimizer(model, AdamSettings(lr=1e-2, weight_decay=0.0), precision=precision,
@@ -366,7 +366,8 @@ def test_checkpoint_state_copies_masters_and_moments_to_the_host():
         saved = opt.state_dict()["param_state"]
     assert {m.device.type for m in opt.master_params} == {"cuda"}
     devices = {name: {k: t.device.type for k, t in entry.items()} for name, entry in saved.items()}
-    assert devices == {name: {"fp32_param": "cpu", "exp_avg": "cpu", "exp_avg_sq": "cpu"} for name in ("weight", "bias")}
+    on_cpu = {"fp32_param": "cpu", "exp_avg": "cpu", "exp_avg_sq": "cpu"}
+    assert devices == {name: on_cpu for name in ("weight", "bias")}
 
     model = TwoLayer().bfloat16()
     opt = _opt(model, "bf16")

@@ -20,7 +20,8 @@ def recipe(vpp_layers=None):
         "name": "vpp", "version": 1, "tokenizer": {"vocab_size": 100},
         "model": dict(num_layers=4, hidden_size=16, num_attention_heads=2, seq_length=8, max_position_embeddings=8,
                       make_vocab_size_divisible_by=64),
-        "parallel": dict(world_size=2, pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=vpp_layers),
+        "parallel": dict(world_size=2, pipeline_model_parallel_size=2,
+                         num_layers_per_virtual_pipeline_stage=vpp_layers),
         "training": dict(micro_batch_size=1, global_batch_size=2),
     })
 

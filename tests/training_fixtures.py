@@ -61,10 +61,12 @@ def train_below_checks(recipe, run_dir, data_prefix, *, load=None, save_optim: b
     proof.fit(recipe, run_dir, save=save, load=load or save, datasets=datasets, save_optim=save_optim)
 
 
-# Fixtures for the modules that train (import them by name: `from training_fixtures import corpus, one_thread`).
+# Fixtures for the modules that train: `from training_fixtures import fixture_corpus, fixture_one_thread` makes
+# `corpus` and `one_thread` fixtures of the importing module (the function and fixture names differ so that a
+# test's `corpus` argument does not shadow an imported name).
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
+@pytest.fixture(scope="module", autouse=True, name="one_thread")
+def fixture_one_thread():
     """Losses are compared bit for bit: every run of a module (and its subprocesses) uses one thread."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -72,6 +74,6 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
+@pytest.fixture(scope="module", name="corpus")
+def fixture_corpus(tmp_path_factory):
     return write_corpus(tmp_path_factory.mktemp("data") / "corpus")

@@ -7,9 +7,9 @@ is where gradients ACCUMULATE over micro batches, in fp32 when `grad_dtype` is f
 `accumulate_allreduce_grads_in_fp32`, forced on for bf16), so many bf16 micro batches lose
 nothing. A post-accumulate-grad hook copies the iteration's first `param.grad` into `main_grad`
 (no fill beforehand), adds the later ones, and frees it, so no second full copy of the gradients
-lives on. When every parameter of a bucket is ready during the backward of the LAST micro batch, the buffer is divided by the data-parallel
-size and reduced asynchronously while the backward goes on; the micro batches before it run
-under `no_sync()` and only accumulate. `zero_grad_buffer()` starts the next iteration.
+lives on. When every parameter of a bucket is ready during the backward of the LAST micro batch, the buffer is
+divided by the data-parallel size and reduced asynchronously while the backward goes on; the micro batches before it
+run under `no_sync()` and only accumulate. `zero_grad_buffer()` starts the next iteration.
 
 Two kinds of reduction, one bucket layout:
 - "all_reduce" (plain DP): after `finish_grad_sync()` every `param.main_grad` holds the DP average.
@@ -178,7 +178,8 @@ class GradSync:
         self.pending = False  # a backward produced gradients that are not reduced yet
         self.reduced = False  # the buffers hold a finished iteration's gradients (zeroed by the next backward)
         self._unwritten: set[int] = set()  # params whose main_grad holds nothing of this iteration yet
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+        for param in self.params:
+            param.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     # -- the backward side ---------------------------------------------------------------------
     @contextlib.contextmanager
@@ -273,8 +274,3 @@ class GradSync:
             bucket.launched = False
         self.pending = False
         self.reduced = True
-
-    def remove_hooks(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []

@@ -346,7 +346,8 @@ def evaluate_humaneval(
     problems = problems if problems is not None else load_problems(settings.problems)
     cache = Path(cache_dir) / f"humaneval-{model_hash}-{settings.key()}.jsonl"
     cache.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    done = _read_cache(cache, problems, settings.key())
+    # Weak isolation runs samples as this user: they could have rewritten the cache, so nothing is resumed from it.
+    done = {} if weak else _read_cache(cache, problems, settings.key())
     workers = workers or os.cpu_count() or 1
     print(f"humaneval: {len(problems)} problems x {settings.num_samples} samples, T={settings.temperature}, "
           f"top-p {settings.top_p}; {sum(p['task_id'] in done for p in problems)} cached in {cache}; "

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 from megatron_core.convert.megatron_to_hf import eod_id_of, gpt2_model
 from megatron_core.convert.shards import ModelShape, read_checkpoint
 from megatron_core.errors import UserError
+from megatron_core.files import replace_atomically
 from megatron_core.evaluate.generate import SamplingConfig, generate_cached
 from megatron_core.evaluate.humaneval import HumanEvalSettings, evaluate_humaneval, load_problems, sandbox_is_weak
 from megatron_core.evaluate.perplexity import evaluate_perplexity
@@ -325,6 +325,4 @@ def evaluate(recipe, model: Union[str, Path, torch.nn.Module], *, workdir=".", o
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    replace_atomically(path, lambda tmp: tmp.write_text(text))

@@ -229,8 +229,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         capabilities = [parse_arch(arch) for arch in args.arch.split(",") if arch.strip()]
-        results = compile_all(capabilities, _names(args.dtypes, DTYPES, "dtypes"), _names(args.shapes, SHAPES, "shapes"),
-                              _names(args.fusions, FUSIONS, "fusions"))
+        results = compile_all(capabilities, _names(args.dtypes, DTYPES, "dtypes"),
+                              _names(args.shapes, SHAPES, "shapes"), _names(args.fusions, FUSIONS, "fusions"))
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

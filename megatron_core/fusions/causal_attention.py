@@ -4,12 +4,13 @@ torch's CPU kernel behind F.scaled_dot_product_attention spends most of its time
 multiplies at GPT shapes (head_dim 32-64, sequences of a few hundred). This computes, for each block of 64
 query rows, softmax(q k^T / sqrt(d)) v against only the keys at or before the block's last row, so the
 key blocks wholly above the diagonal are skipped, and runs its own backward from the saved probabilities:
-dS = P (dP - rowsum(dP P)), in one aten pass (softmax's own backward, which works in fp32 for bf16). One copy lays q, k, v out for the batched
-multiplies (q pre-scaled), and the output and the qkv gradient are written straight into their final layouts.
+dS = P (dP - rowsum(dP P)), in one aten pass (softmax's own backward, which works in fp32 for bf16). One copy lays
+q, k, v out for the batched multiplies (q pre-scaled), and the output and the qkv gradient are written straight into
+their final layouts.
 
-It keeps the probabilities for the backward: about b * heads * s^2 * (nb + 1) / (2 nb) floats per layer (nb
-query blocks; exact when s is a multiple of 64), which a CPU has room for at the sequence lengths it trains; GPUs use SDPA's flash kernels. No dropout
-on the probabilities: the model calls SDPA while attention dropout is active.
+It keeps the probabilities for the backward: about b * heads * s^2 * (nb + 1) / (2 nb) floats per layer (nb query
+blocks; exact when s is a multiple of 64), which a CPU has room for at the sequence lengths it trains; GPUs use
+SDPA's flash kernels. No dropout on the probabilities: the model calls SDPA while attention dropout is active.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from torch.autograd.function import once_differentiable
 
 from megatron_core.errors import UserError
 
-BLOCK_ROWS = 64  # query rows per block: best or tied among 32/64/128 in scratch timings at head_dim 32 and 64 (2-core AVX2)
+# Query rows per block: best or tied among 32/64/128 in scratch timings at head_dim 32 and 64 (2-core AVX2).
+BLOCK_ROWS = 64
 # bf16 multiplies (AMX/AVX512-BF16) pay more per call than they save on the skipped blocks: at b 2, 12 heads,
 # s 256, d 64, forward and backward took 6.9 ms in blocks of 64 rows, 5.4 in 128, 4.6 in 256 (SDPA: 9.1).
 BLOCK_ROWS_16BIT = 256
@@ -102,7 +104,8 @@ def blocked_causal_attention(qkv: torch.Tensor, heads: int, head_dim: int) -> to
     """softmax(q k^T / sqrt(d), causal) v from the fused projection qkv [s, b, heads * 3 * d] (per head: its q,
     then k, then v rows, Megatron's layout) to the context [s, b, heads * d]."""
     if qkv.dim() != 3 or qkv.shape[-1] != heads * 3 * head_dim:
-        raise UserError(f"blocked_causal_attention takes qkv [s, b, heads * 3 * head_dim] = [s, b, {heads * 3 * head_dim}], "
+        raise UserError("blocked_causal_attention takes qkv [s, b, heads * 3 * head_dim] = "
+                        f"[s, b, {heads * 3 * head_dim}], "
                         f"got {tuple(qkv.shape)}")
     if qkv.device.type != "cpu" or qkv.dtype not in SUPPORTED_DTYPES:
         raise UserError(f"blocked causal attention runs on a CPU in fp32/fp64/bf16, got {qkv.dtype} on {qkv.device}; "

@@ -320,8 +320,8 @@ class GPTModel(nn.Module):
 
     def __init__(self, config: ModelConfig, parallel: ParallelConfig, padded_vocab_size: int, *,
                  pre_process: Optional[bool] = None, post_process: Optional[bool] = None,
-                 layer_offset: Optional[int] = None, fusions: Optional[FusionBackends] = None, init_seed: Optional[int] = None,
-                 virtual_pipeline_rank: Optional[int] = None) -> None:
+                 layer_offset: Optional[int] = None, fusions: Optional[FusionBackends] = None,
+                 init_seed: Optional[int] = None, virtual_pipeline_rank: Optional[int] = None) -> None:
         super().__init__()
         _check_layout(config, parallel, padded_vocab_size)
         pp = parallel.pipeline_model_parallel_size
@@ -482,10 +482,10 @@ class GPTModelChunks(nn.Module):
             raise ValueError(f"{name!r} is not a parameter of a model chunk")
         return self.chunks[int(match[1])].global_parameter_name(match[2])
 
-    def set_input_tensor(self, input_tensor) -> None:
+    def set_input_tensor(self, _input_tensor) -> None:
         raise RuntimeError("GPTModelChunks runs chunk by chunk: the interleaved schedule sets each chunk's input")
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *_args, **_kwargs):
         raise RuntimeError("GPTModelChunks runs chunk by chunk under the interleaved schedule "
                            "(megatron_core.pipeline_parallel.forward_backward_pipelining_with_interleaving)")
 

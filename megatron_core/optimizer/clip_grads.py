@@ -38,7 +38,8 @@ def flat_spans(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     def place(t: torch.Tensor):
         return t.untyped_storage().data_ptr(), str(t.dtype), str(t.device), t.storage_offset()
 
-    flat = sorted((t for t in tensors if t.is_contiguous()), key=lambda t: (first_seen[place(t)[:3]], t.storage_offset()))
+    flat = sorted((t for t in tensors if t.is_contiguous()),
+                  key=lambda t: (first_seen[place(t)[:3]], t.storage_offset()))
     spans: list[torch.Tensor] = [t for t in tensors if not t.is_contiguous()]
     run, run_place, run_end = None, None, None
     for t in flat:

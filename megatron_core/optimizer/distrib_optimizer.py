@@ -88,7 +88,7 @@ class DistributedOptimizer(FP32MasterOptimizer):
             groups = [{"params": [torch.zeros(0, requires_grad=True)], "weight_decay": 0.0}]
         device = device or (self.model_params[0].device if self.model_params else torch.device("cpu"))
         self.device = torch.device(device)  # where the norm, overflow and zero-count collectives run
-        self.optimizer, inner = build_adam(groups, settings, device, fused_adam_cls)
+        self.optimizer, inner = build_adam(groups, settings, fused_adam_cls)
         self.description = f"distributed optimizer (ZeRO-1 over DP {self.dp_size}) around {inner}"
         self._gather_buffers = {id(b): torch.empty(b.padded_numel, dtype=b.params[0].dtype, device=device)
                                 for b in grad_sync.buckets}

@@ -65,7 +65,7 @@ class AdamSettings:
     eps: float = 1e-8
 
 
-def build_adam(groups: list[dict], settings: AdamSettings, device: torch.device, fused_adam_cls=None):
+def build_adam(groups: list[dict], settings: AdamSettings, fused_adam_cls=None):
     """(inner optimizer, description). Apex FusedAdam (decoupled wd) when given (the caller checked it runs
     on this device: `training.optimizer: apex`), else torch AdamW fused (one kernel over all tensors) on
     CUDA and on a CPU too: on a CPU, 88M fp32 params take ~60 ms a step fused against 150-430 ms with foreach."""
@@ -159,7 +159,8 @@ class FP32MasterOptimizer:
             out[key] = _host_copy(state[key]) if key in state else torch.zeros(master.shape, dtype=torch.float32)
         return out
 
-    def _guard(self, grads: list[torch.Tensor], group, nonfinite_loss: Poison) -> Optional[tuple[bool, Optional[float]]]:
+    def _guard(self, grads: list[torch.Tensor], group,
+               nonfinite_loss: Poison) -> Optional[tuple[bool, Optional[float]]]:
         """Unscale `grads`; (False, norm) when the step must be skipped (see step()), else None."""
         if self.precision == "fp16":
             found = unscale_and_check_overflow(grads, self.loss_scale, group, self.device, poison=nonfinite_loss)
@@ -202,7 +203,7 @@ class MegatronOptimizer(FP32MasterOptimizer):
                 self.master_params.append(master)
         master_by_model = {id(p): m for p, m in zip(self.model_params, self.master_params)}
         groups = param_groups(((n, master_by_model[id(p)]) for n, p in named), settings.weight_decay)
-        self.optimizer, self.description = build_adam(groups, settings, device, fused_adam_cls)
+        self.optimizer, self.description = build_adam(groups, settings, fused_adam_cls)
         if precision == "fp16":
             self.description += ", fp16 with fp32 master weights and dynamic loss scaling"
         elif precision == "bf16":

@@ -68,7 +68,8 @@ class StageLink:
                             shape=self.shape, dtype=self.dtype, device=self.device)
 
     def exchange(self, send_next: Optional[torch.Tensor] = None, send_prev: Optional[torch.Tensor] = None,
-                 recv_prev: bool = False, recv_next: bool = False) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+                 recv_prev: bool = False,
+                 recv_next: bool = False) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """Exactly the given sends and receives, in one batch; (from_prev, from_next). The interleaved
         schedule decides itself which directions exist: its chunks pass activations from the last
         stage round to the first (the ring wraps), so stage position alone does not tell."""

@@ -11,8 +11,9 @@ THE CONTRACT (the training loop codes to this; both schedules below honour it):
         order, so every stage consumes its data iterator identically (stages that need no data
         may pass None and ignore it). Under the interleaved schedule: that many times per model
         chunk, with the chunk as `model` and a view of the iterator that yields each micro batch
-        to every chunk while the iterator itself is still read once per micro batch. It runs `model(...)`: on a non-first stage the schedule has
-        already called `model.set_input_tensor(activations_from_previous_stage)`.
+        to every chunk while the iterator itself is still read once per micro batch. It runs
+        `model(...)`: on a non-first stage the schedule has already called
+        `model.set_input_tensor(activations_from_previous_stage)`.
         output_tensor: the per-token loss [b, s] on the last stage, hidden states elsewhere.
     loss_func(output_tensor) -> (loss, stats)
         loss: the scalar loss of THIS micro batch (mean over its tokens), with its graph.
@@ -139,9 +140,10 @@ class _MicroBatchRunner:
 
 
 def forward_backward_no_pipelining(forward_step_func: ForwardStepFunc, data_iterator, model, num_microbatches: int,
-                                   *, seq_length: int, micro_batch_size: int, forward_only: bool = False,
-                                   loss_scale: float = 1.0, **_unused_shape_hints) -> list[dict]:
-    """PP = 1: forward and backward each micro batch in turn, accumulating gradients."""
+                                   *, forward_only: bool = False, loss_scale: float = 1.0,
+                                   **_unused_shape_hints) -> list[dict]:
+    """PP = 1: forward and backward each micro batch in turn, accumulating gradients (no stage sends a
+    tensor, so the shape hints the other schedules take, seq_length and micro_batch_size, are not needed)."""
     runner = _MicroBatchRunner(forward_step_func, data_iterator, model, num_microbatches, forward_only, loss_scale)
     for _ in range(num_microbatches):
         output = runner.forward(None)
@@ -212,7 +214,7 @@ class _SharedMicroBatches:
         self.batches: dict[int, list] = {}  # micro batch index -> [batch, chunks yet to take it]
         self.read = 0
 
-    def view(self, chunk: int) -> Optional[Iterator]:
+    def view(self) -> Optional[Iterator]:
         return None if self.iterator is None else self._view()
 
     def _view(self) -> Iterator:
@@ -267,7 +269,7 @@ def forward_backward_pipelining_with_interleaving(
                      param.dtype, param.device)
     losses: list[dict] = []
     data = _SharedMicroBatches(data_iterator, v)
-    runners = [_MicroBatchRunner(forward_step_func, data.view(c), chunk, num_microbatches, forward_only, loss_scale,
+    runners = [_MicroBatchRunner(forward_step_func, data.view(), chunk, num_microbatches, forward_only, loss_scale,
                                  first_stage=(r == 0 and c == 0), last_stage=(r == p - 1 and c == v - 1),
                                  sync_model=model, losses=losses)
                for c, chunk in enumerate(chunks)]

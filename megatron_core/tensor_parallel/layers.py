@@ -41,11 +41,11 @@ def normal_init(std: float) -> InitMethod:
     return init
 
 
-def zeros_init(tensor: torch.Tensor, generator: Optional[torch.Generator] = None) -> None:
+def zeros_init(tensor: torch.Tensor, _generator: Optional[torch.Generator] = None) -> None:
     tensor.zero_()
 
 
-def ones_init(tensor: torch.Tensor, generator: Optional[torch.Generator] = None) -> None:
+def ones_init(tensor: torch.Tensor, _generator: Optional[torch.Generator] = None) -> None:
     tensor.fill_(1.0)
 
 

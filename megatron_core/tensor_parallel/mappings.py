@@ -60,51 +60,51 @@ def _reduce_scatter_first_dim(x: torch.Tensor) -> torch.Tensor:
 
 class _CopyToTensorModelParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
+    def forward(_ctx, x):
         return x
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(_ctx, grad):
         return _all_reduce(grad)
 
 
 class _ReduceFromTensorModelParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
+    def forward(_ctx, x):
         return _all_reduce(x)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(_ctx, grad):
         return grad
 
 
 class _ScatterToTensorModelParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
+    def forward(_ctx, x):
         return _split(x, -1)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(_ctx, grad):
         return _gather(grad, -1)
 
 
 class _GatherFromTensorModelParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
+    def forward(_ctx, x):
         return _gather(x, -1)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(_ctx, grad):
         return _split(grad, -1)
 
 
 class _ScatterToSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
+    def forward(_ctx, x):
         return _split(x, 0)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(_ctx, grad):
         return _gather(grad, 0)
 
 
@@ -125,11 +125,11 @@ class _GatherFromSequenceParallelRegion(torch.autograd.Function):
 
 class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
+    def forward(_ctx, x):
         return _reduce_scatter_first_dim(x)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(_ctx, grad):
         return _gather(grad, 0)
 
 

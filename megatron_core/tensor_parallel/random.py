@@ -143,7 +143,7 @@ def _tracked_dropout_op(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.
 
 
 @_tracked_dropout_op.register_fake
-def _(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ARG001 - a fake takes the op's arguments
     size = _TRACKER.states[MODEL_PARALLEL_RNG].numel() if MODEL_PARALLEL_RNG in _TRACKER.states else 0
     return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(size, dtype=torch.uint8,
                                                                                    device="cpu")
@@ -157,7 +157,7 @@ def _replayed_dropout_op(grad: torch.Tensor, p: float, state: torch.Tensor) -> t
 
 
 @_replayed_dropout_op.register_fake
-def _(grad: torch.Tensor, p: float, state: torch.Tensor) -> torch.Tensor:
+def _(grad: torch.Tensor, p: float, state: torch.Tensor) -> torch.Tensor:  # noqa: ARG001 - a fake takes the op's arguments
     return torch.empty_like(grad, memory_format=torch.contiguous_format)
 
 

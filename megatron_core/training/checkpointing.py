@@ -17,6 +17,7 @@ import os
 import random
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -25,10 +26,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_core import parallel_state
-from megatron_core.checkpoint_format import (  # noqa: F401 - re-exported: the names training callers use
+from megatron_core.checkpoint_format import (
     CHECKPOINT_VERSION,
     LEGACY_DISTRIB_OPTIM_FILENAME,
-    MODEL_FILENAME,
     OPTIM_STATE_KEYS,
     RECIPE_FILENAME,
     RELEASE,
@@ -37,7 +37,6 @@ from megatron_core.checkpoint_format import (  # noqa: F401 - re-exported: the n
     atomic_write_text,
     check_complete,
     check_rank_files,
-    checkpoint_file,
     distrib_optim_filename,
     find_rank_files,
     flatten_model_state,
@@ -270,6 +269,19 @@ def check_recipe_compatible(recipe, saved_recipe: dict, saved_hash: str, where: 
     return changed
 
 
+def set_aside(save: Path) -> Optional[Path]:
+    """--from-scratch: move the checkpoints already in `save` aside (nothing is deleted), so the new run's
+    iterations never mix with the old run's and a later resume cannot pick an old one. Collective; local
+    rank 0 of each node moves its own copy. The new name, or None when there was nothing to move."""
+    save, target = Path(save), None
+    if parallel_state.is_local_rank_zero() and save.is_dir() and (
+            published_iterations(save) or (save / TRACKER_FILENAME).exists()):
+        target = save.with_name(f"{save.name}.before-from-scratch-{time.strftime('%Y%m%d-%H%M%S')}")
+        save.rename(target)
+    _barrier()
+    return target
+
+
 def load_latest(load, *, required: bool = False, fallback: bool = True, from_scratch: bool = False,
                 log: Optional[Callable[[str], None]] = None) -> Optional[tuple[int, dict]]:
     """(iteration, this rank's checkpoint dict) of the latest checkpoint under `load` that verifies,
@@ -279,7 +291,7 @@ def load_latest(load, *, required: bool = False, fallback: bool = True, from_scr
     logged and the next older one tried (`fallback=False` refuses instead). Iteration directories
     that none load raise, unless `from_scratch` (which ignores every checkpoint there)."""
     load = Path(load)
-    say = log or (lambda line: None)
+    say = log or (lambda _line: None)
     try:
         raw = read_tracker(load)
     except CheckpointError:
@@ -414,7 +426,8 @@ def load_for_this_rank(iter_dir: Path) -> dict:
         model = mine({pos: model for pos, (model, _) in per_rank.items()})
         optim = None
         if all(o is not None for _, o in per_rank.values()):
-            by_key = {key: mine({pos: [{n: e[key] for n, e in c.items()} for c in o] for pos, (_, o) in per_rank.items()})
+            by_key = {key: mine({pos: [{n: e[key] for n, e in c.items()} for c in o]
+                                 for pos, (_, o) in per_rank.items()})
                       for key in OPTIM_STATE_KEYS}
             optim = [{name: {key: by_key[key][c][name] for key in OPTIM_STATE_KEYS} for name in by_key["exp_avg"][c]}
                      for c in range(chunks)]

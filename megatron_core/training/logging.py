@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Optional
+
+from megatron_core.files import replace_atomically
 
 METRICS_FILENAME = "metrics.jsonl"
 LOSS_CURVE_FILENAME = "loss_curve.png"
@@ -90,9 +91,7 @@ class RunLogger:
             return
         kept = [line for line in self.metrics_path.read_text().splitlines()
                 if line.strip() and json.loads(line)["iteration"] <= iteration]
-        tmp = self.metrics_path.with_name(self.metrics_path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, self.metrics_path)
+        replace_atomically(self.metrics_path, lambda tmp: tmp.write_text("".join(line + "\n" for line in kept)))
 
     def _append(self, record: dict) -> None:
         with open(self.metrics_path, "a") as handle:
@@ -133,9 +132,7 @@ class RunLogger:
 def write_summary(run_dir: Path, summary: dict) -> Path:
     """RUN_DIR/summary.json (strict JSON, atomically): what `summary:` prints at the end of a run."""
     path = Path(run_dir) / SUMMARY_FILENAME
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(strict_json(summary) + "\n")
-    os.replace(tmp, path)
+    replace_atomically(path, lambda tmp: tmp.write_text(strict_json(summary) + "\n"))
     return path
 
 
@@ -171,10 +168,8 @@ def write_loss_curve(run_dir: Path, title: str = "") -> Optional[Path]:
     ax.legend()
     fig.tight_layout()
     path = Path(run_dir) / LOSS_CURVE_FILENAME
-    tmp = path.with_name("loss_curve.tmp.png")
-    fig.savefig(tmp)
+    replace_atomically(path, lambda tmp: fig.savefig(tmp, format="png"))
     plt.close(fig)
-    os.replace(tmp, path)
     return path
 
 

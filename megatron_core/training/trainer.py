@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from megatron_core import checkpoint_format
 from megatron_core import parallel_state as ps
 from megatron_core.errors import UserError
 from megatron_core.training import checkpointing as ckpt
@@ -63,10 +64,6 @@ class TrainState:
     interval_iterations: int = 0
 
 
-class StopRequested(Exception):
-    pass
-
-
 class NonFiniteTrainingError(UserError):
     """The run diverged: too many NaN/inf iterations in a row, or non-finite weights at a save."""
 
@@ -107,6 +104,10 @@ class Trainer:
     def maybe_resume(self) -> None:
         if self.load_dir is None:
             return
+        if self.from_scratch and self.save_dir is not None:
+            moved = ckpt.set_aside(self.save_dir)
+            if moved:
+                self.logger.info(f"--from-scratch: the checkpoints in {self.save_dir} were moved to {moved}")
         found = ckpt.load_latest(self.load_dir, fallback=self.resume_fallback, from_scratch=self.from_scratch,
                                  log=self.logger.info)
         if found is None:
@@ -115,13 +116,14 @@ class Trainer:
                 self.logger.truncate_after(0)  # the old run's metrics would read as this run's
             return
         iteration, state = found
-        if iteration == ckpt.RELEASE or "recipe" not in state:
-            self._start_from_weights(state, ckpt.iteration_dir(self.load_dir, iteration))
+        if iteration == checkpoint_format.RELEASE or "recipe" not in state:
+            self._start_from_weights(state, checkpoint_format.iteration_dir(self.load_dir, iteration))
             return
         changed = ckpt.check_recipe_compatible(self.recipe, state["recipe"], state["recipe_hash"], self.load_dir)
         if changed:
             self.logger.info(f"resuming with changed resume-safe keys: {', '.join(changed)}")
-        saved_tp, tp = getattr(state["args"], "tensor_model_parallel_size", None), ps.get_tensor_model_parallel_world_size()
+        saved_tp = getattr(state["args"], "tensor_model_parallel_size", None)
+        tp = ps.get_tensor_model_parallel_world_size()
         if saved_tp not in (None, tp):
             self.logger.info(f"the checkpoint was written under TP {saved_tp}: weights and optimizer state are "
                              f"re-sliced for TP {tp}; the dropout RNG streams restart from the seed (exact only "
@@ -149,7 +151,8 @@ class Trainer:
         self.state.skipped_iterations = int(counters.get("skipped_iterations", 0))
         self.state.nan_iterations = int(counters.get("nan_iterations", 0))
         self.logger.truncate_after(iteration)
-        self.logger.info(f"resumed from {ckpt.iteration_dir(self.load_dir, iteration)} at iteration {iteration} "
+        where = checkpoint_format.iteration_dir(self.load_dir, iteration)
+        self.logger.info(f"resumed from {where} at iteration {iteration} "
                          f"({self.state.consumed_train_samples} samples consumed)")
 
     def _load_model_weights(self, state: dict, where: Path) -> None:
@@ -158,24 +161,24 @@ class Trainer:
         if saved_vocab and saved_vocab != self.padded_vocab_size:  # Megatron pads to divisible_by x TP
             multiple = getattr(args, "make_vocab_size_divisible_by", 1) * getattr(args, "tensor_model_parallel_size", 1)
             tp = self.recipe.parallel.tensor_model_parallel_size
-            raise ckpt.CheckpointError(
+            raise checkpoint_format.CheckpointError(
                 f"the checkpoint in {where} pads the vocabulary to {saved_vocab} rows (a multiple of {multiple}), "
                 f"this run to {self.padded_vocab_size}; pad alike: --set make_vocab_size_divisible_by="
                 f"{multiple // tp if multiple % tp == 0 else multiple}")
         stages = _model_chunks(self._unwrapped())
-        saved = ckpt.model_chunks(state, where)
+        saved = checkpoint_format.model_chunks(state, where)
         if len(saved) != len(stages):
-            raise ckpt.CheckpointError(
+            raise checkpoint_format.CheckpointError(
                 f"the checkpoint in {where} holds {len(saved)} model chunk(s) per rank but this run's model has "
                 f"{len(stages)} (parallel.num_layers_per_virtual_pipeline_stage decides: virtual pipeline stages "
                 "hold non-contiguous layers); train with the checkpoint's layout, or re-split it (invoke convert, "
                 "then invoke import-hf with this run's layout)")
         try:
             for stage, nested in zip(stages, saved):
-                stage.load_state_dict(ckpt.flatten_model_state(nested))
+                stage.load_state_dict(checkpoint_format.flatten_model_state(nested))
         except RuntimeError as exc:  # shapes or names that do not fit this recipe's model
             first = str(exc).splitlines()
-            raise ckpt.CheckpointError(f"the weights in {where} do not fit this recipe's model "
+            raise checkpoint_format.CheckpointError(f"the weights in {where} do not fit this recipe's model "
                                        f"({' '.join(line.strip() for line in first[1:3]) or first[0]}); "
                                        "check num_layers, hidden_size, heads and the (padded) vocabulary") from None
         # The fp32 masters were copied from the initial weights when the optimizer was built: without
@@ -272,7 +275,9 @@ class Trainer:
     def _valid_consumed(self, iteration: int) -> int:
         """Megatron's consumed validation samples before the evaluation at `iteration`."""
         t = self.recipe.training
-        return (iteration // t.eval_interval - 1) * t.eval_iters * t.global_batch_size if iteration >= t.eval_interval else 0
+        if iteration < t.eval_interval:
+            return 0
+        return (iteration // t.eval_interval - 1) * t.eval_iters * t.global_batch_size
 
     # -- one iteration -------------------------------------------------------------------------
     def train_step(self, data_iterator) -> tuple[Optional[torch.Tensor], bool, Optional[float]]:
@@ -304,7 +309,8 @@ class Trainer:
         grad_norm = finite_or_none(grad_norm)
         elapsed = time.time() - s.interval_start
         per_iter = elapsed / max(s.interval_iterations, 1)
-        tflops = flops_lib.tflops_per_device(self.flops_per_iteration, per_iter, max(self.recipe.parallel.world_size, 1))
+        tflops = flops_lib.tflops_per_device(self.flops_per_iteration, per_iter,
+                                             max(self.recipe.parallel.world_size, 1))
         tokens_per_s = t.global_batch_size * self.recipe.model.seq_length / per_iter
         mfu = flops_lib.mfu(tflops, self.peak_tflops)
         record = {"iteration": s.iteration, "consumed_samples": s.consumed_train_samples, "lm_loss": loss, "lr": lr,
@@ -404,7 +410,8 @@ class Trainer:
         summary = {"iteration": s.iteration, "consumed_train_samples": s.consumed_train_samples,
                    "skipped_iterations": s.skipped_iterations, "nan_iterations": s.nan_iterations,
                    "valid": last_valid, "test": test, "run_dir": str(self.run_dir),
-                   "checkpoint": str(ckpt.iteration_dir(self.save_dir, s.iteration)) if self.save_dir else None,
+                   "checkpoint": (str(checkpoint_format.iteration_dir(self.save_dir, s.iteration))
+                                  if self.save_dir else None),
                    "stopped_by": stopped_by}
         if stopped_by is not None:
             self.logger.info(f"received {stopped_by}: saved checkpoint at iteration {s.iteration} to "

@@ -53,9 +53,9 @@ def warps_for(block: int) -> int:
 
 
 class KernelOp:
-    """A launcher registered as a torch custom op, which is what torch.compile must see (one opaque op whose
-    fake kernel gives the output shapes, as must any tracing dispatch mode), and called directly otherwise: there the op would
-    only add the dispatcher's boxing and unboxing, 66 us a call on a 2-core AVX2 CPU against 3 us for the
+    """A launcher registered as a torch custom op, which is what torch.compile must see (one opaque op whose fake
+    kernel gives the output shapes, as must any tracing dispatch mode), and called directly otherwise: there the op
+    would only add the dispatcher's boxing and unboxing, 66 us a call on a 2-core AVX2 CPU against 3 us for the
     plain function, which is as long as a small fused kernel runs on a GPU."""
 
     def __init__(self, name: str, body: Callable) -> None:
