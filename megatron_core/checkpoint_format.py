@@ -289,12 +289,6 @@ def distrib_optim_filename(dp_rank: int) -> str:
     return f"distrib_optim_dp_{dp_rank:03d}.pt"
 
 
-# Earlier versions of this project gathered the distributed optimizer's state on DP rank 0 and wrote
-# it as one file per (TP, PP) rank: {"param_state": {name: {fp32_param, exp_avg, exp_avg_sq}} in
-# whole flattened tensors, "step"}. Still read (any layout); no longer written.
-LEGACY_DISTRIB_OPTIM_FILENAME = "distrib_optim.pt"
-
-
 def staging_dir(save: Path, iteration) -> Path:
     """Where an iteration is written before it is published."""
     final = iteration_dir(save, iteration)

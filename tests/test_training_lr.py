@@ -119,11 +119,3 @@ def test_megatron_core_reads_our_scheduler_state_and_we_read_its():
         back.step_iteration()
         megatron.step(increment=t.global_batch_size)
         assert back.get_lr() == pytest.approx(megatron.get_lr(megatron.optimizer.param_groups[0]), rel=1e-12)
-
-
-def test_state_written_before_samples_were_counted_still_loads():
-    t = _training()
-    sched = OptimizerParamScheduler.for_training(FakeOptimizer(), t)
-    sched.load_state_dict({"max_lr": t.lr, "min_lr": t.min_lr, "lr_warmup_steps": 5, "lr_decay_steps": 40,
-                           "lr_decay_style": "cosine", "num_steps": 7})  # an iteration count
-    assert sched.num_steps == 7 * t.global_batch_size

@@ -28,7 +28,6 @@ import torch.distributed as dist
 from megatron_core import parallel_state
 from megatron_core.checkpoint_format import (
     CHECKPOINT_VERSION,
-    LEGACY_DISTRIB_OPTIM_FILENAME,
     OPTIM_STATE_KEYS,
     RECIPE_FILENAME,
     RELEASE,
@@ -113,7 +112,7 @@ def set_rng_state(state: dict) -> Optional[str]:
     states = state.get("rng_tracker_states")
     if not states:  # none saved, or dropped on purpose (a TP change, logged by the caller)
         return None
-    # Checkpoints before rng_tracker_device: only the state sizes tell the generator apart.
+    # Megatron-LM's rng_state has no rng_tracker_device: only the state sizes tell the generator apart.
     saved = state.get("rng_tracker_device")
     why = (f"they were saved for the {saved} generator and this run trains on {tracker.device_type}"
            if saved not in (None, tracker.device_type) else tracker.misfit(states))
@@ -440,7 +439,7 @@ def load_for_this_rank(iter_dir: Path) -> dict:
         state["optimizer"]["param_state"] = _optimizer_names(optim)
     elif state.pop("optimizer", None) is not None:  # saved, but in a form we cannot read back per parameter
         state["optimizer_not_loaded"] = ("its optimizer state is in a form this project cannot read per parameter "
-                                         "(Megatron-LM's own, or this project's before per-parameter state)")
+                                         "(Megatron-LM's own)")
     return state
 
 
@@ -478,40 +477,15 @@ def _rank_states(iter_dir: Path, pos: tuple[int, int], pp_size: int, ckpt: dict,
         return model, None
     named = _optimizer_names(model)  # the weights under the optimizer's names
     if optim.get("distributed_optimizer"):
-        param_state = _distributed_optimizer_state(iter_dir / rank_dirname(*pos, pp_size),
-                                                   ckpt["args"].data_parallel_size, named)
+        param_state = _glue_dp_pieces(iter_dir / rank_dirname(*pos, pp_size), ckpt["args"].data_parallel_size,
+                                      named)
     elif "param_state" in optim:
         param_state = optim["param_state"]
-    else:  # Megatron-LM's own, or an older form: weights only (the trainer says the optimizer restarts)
+    else:  # Megatron-LM's own: weights only (the trainer says the optimizer restarts)
         return model, None
     entries = {name: {"fp32_param": entry.get("fp32_param", named[name].float()), "exp_avg": entry["exp_avg"],
                       "exp_avg_sq": entry["exp_avg_sq"]} for name, entry in param_state.items()}
     return model, _chunk_entries(entries, len(model))
-
-
-def _distributed_optimizer_state(rank_dir: Path, dp_size: int, model: dict) -> dict:
-    """{name: {fp32_param, exp_avg, exp_avg_sq}} in whole tensors shaped like `model`'s, from the
-    per-DP-rank files or, in a checkpoint of an earlier version, the one gathered distrib_optim.pt."""
-    legacy = rank_dir / LEGACY_DISTRIB_OPTIM_FILENAME
-    if legacy.exists() and not any((rank_dir / distrib_optim_filename(r)).exists() for r in range(dp_size)):
-        return _legacy_gathered_state(legacy, model)
-    return _glue_dp_pieces(rank_dir, dp_size, model)
-
-
-def _legacy_gathered_state(path: Path, model: dict) -> dict:
-    """The earlier versions' distrib_optim.pt: every parameter's state already whole (flattened)."""
-    saved = load_checkpoint_file(path).get("param_state")
-    if not isinstance(saved, dict):
-        raise CheckpointError(f"{path} holds no param_state; it is not a distributed optimizer file of this project")
-    def whole(entry, numel: int) -> bool:
-        return (isinstance(entry, dict) and all(isinstance(entry.get(k), torch.Tensor) for k in OPTIM_STATE_KEYS)
-                and all(entry[k].numel() == numel for k in OPTIM_STATE_KEYS))
-
-    wrong = [n for n in model if not whole(saved.get(n), model[n].numel())]
-    if wrong:
-        raise CheckpointError(f"{path} lacks the whole state of {wrong[:3]} ({len(wrong)} parameter(s)); it does not "
-                              "belong to the model file beside it: copy one checkpoint's folder")
-    return {name: {k: saved[name][k].reshape(model[name].shape) for k in OPTIM_STATE_KEYS} for name in model}
 
 
 def _glue_dp_pieces(rank_dir: Path, dp_size: int, model: dict) -> dict:

@@ -92,18 +92,9 @@ class OptimizerParamScheduler:
                 "num_steps": self.num_steps, "start_wd": self.weight_decay, "end_wd": self.weight_decay,
                 "wd_incr_steps": self.decay_steps, "wd_incr_style": "constant"}
 
-    @staticmethod
-    def counts_iterations(state: dict) -> bool:
-        """A state this project wrote before the scheduler counted samples (it has no weight-decay keys)."""
-        return "start_wd" not in state and "num_iters" not in state
-
     def load_state_dict(self, state: dict) -> None:
         """Restore the position; the schedule's shape comes from the (possibly changed) recipe, as
         with Megatron's default override_opt_param_scheduler=False + use_checkpoint... = False.
-        Reads Megatron's older key (`num_iters`) too, and this project's states written before the
-        scheduler counted samples (no weight-decay keys: num_steps in iterations)."""
-        num_steps = int(state["num_steps"] if "num_steps" in state else state["num_iters"])
-        if self.counts_iterations(state):
-            num_steps *= self.steps_per_iteration
-        self.num_steps = num_steps
+        Reads Megatron's older key (`num_iters`) too."""
+        self.num_steps = int(state["num_steps"] if "num_steps" in state else state["num_iters"])
         self.step(0)

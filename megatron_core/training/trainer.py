@@ -131,11 +131,7 @@ class Trainer:
         self._load_model_weights(state, self.load_dir)
         if "optimizer" in state and "opt_param_scheduler" in state:
             self.optimizer.load_state_dict(state["optimizer"])  # param_state re-sliced for this layout
-            sched = state["opt_param_scheduler"]
-            if self.scheduler.counts_iterations(sched):
-                self.logger.info("checkpoint: the LR scheduler state predates sample counting (an earlier version "
-                                 f"of this project): its {sched.get('num_steps')} steps are read as iterations")
-            self.scheduler.load_state_dict(sched)
+            self.scheduler.load_state_dict(state["opt_param_scheduler"])
         else:
             why = state.get("optimizer_not_loaded", "it has no optimizer state (--no-save-optim)")
             self.logger.info(f"checkpoint: {why}: the optimizer and LR restart from the loaded weights; the run "
