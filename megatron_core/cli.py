@@ -82,7 +82,7 @@ def _load(recipe: str, set_) -> config.Recipe:
 
 @task(help={"show": "print one recipe fully resolved (YAML)"})
 @people_errors
-def recipes(c, show=None):
+def recipes(_c, show=None):
     """List the recipes: name, version, GPUs, parameters, tokens to train."""
     if show:
         print(config.load_recipe(show).to_yaml())
@@ -121,14 +121,14 @@ def recipes(c, show=None):
 
 
 @recipe_task(help={"force": "rebuild even if up to date"})
-def corpus(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, force=False):
+def corpus(_c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, force=False):
     """Write the recipe's corpus as loose JSON lines."""
     step = workflow.ensure_corpus(_load(recipe, set_), workdir, force=force)
     print(step.directory / "corpus.jsonl")
 
 
 @recipe_task(help={"force": "rebuild even if up to date"})
-def tokenizer(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, force=False):
+def tokenizer(_c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, force=False):
     """Train (or check and take) the recipe's GPT-2 BPE tokenizer: vocab.json + merges.txt."""
     step = workflow.ensure_tokenizer(_load(recipe, set_), workdir, force=force)
     m = step.manifest()
@@ -137,7 +137,7 @@ def tokenizer(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, forc
 
 
 @recipe_task(help={"force": "rebuild even if up to date"})
-def preprocess(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, force=False):
+def preprocess(_c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, force=False):
     """Tokenize the corpus into Megatron .bin/.idx files."""
     r = _load(recipe, set_)
     step = workflow.ensure_data(r, workdir, force=force)
@@ -221,7 +221,7 @@ TRAIN_HELP = {
 
 
 @recipe_task(help=TRAIN_HELP)
-def train(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, nproc=0, nnodes=1, node_rank=0,
+def train(_c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, nproc=0, nnodes=1, node_rank=0,
           master_addr="127.0.0.1", master_port=29500, rdzv_endpoint=None, load=None, no_save_optim=False,
           torchrun=False, no_fallback=False, from_scratch=False):
     """Train the recipe (running the missing data steps first); prints the run directory."""
@@ -323,7 +323,7 @@ def _print_run_outputs(run: Path) -> None:
     "vocab_file": "tokenizer vocab.json (default: the run's, or the one the checkpoint names)",
     "merge_file": "tokenizer merges.txt (with --vocab-file)",
 })
-def convert(c, recipe=None, set_=None, workdir=DEFAULT_WORKDIR, load=None, iteration="latest",
+def convert(_c, recipe=None, set_=None, workdir=DEFAULT_WORKDIR, load=None, iteration="latest",
             save=None, format="safetensors", dtype="fp32", overwrite=False, vocab_file=None, merge_file=None):
     """Convert a Megatron-layout checkpoint (any TP/PP) into a transformers GPT2 directory."""
     from megatron_core.convert import convert_checkpoint
@@ -359,7 +359,7 @@ def convert(c, recipe=None, set_=None, workdir=DEFAULT_WORKDIR, load=None, itera
                                             "schedule's chunked layout (model0, model1, ...)",
                               "overwrite": "replace a checkpoint already in --save"})
 @people_errors
-def import_hf(c, model=None, save=None, tp=1, pp=1, vpp_layers=None, overwrite=False):
+def import_hf(_c, model=None, save=None, tp=1, pp=1, vpp_layers=None, overwrite=False):
     """Write a Megatron-layout checkpoint from a transformers GPT2 directory (to continue training)."""
     from megatron_core.convert import import_hf_model
 
@@ -386,7 +386,7 @@ def import_hf(c, model=None, save=None, tp=1, pp=1, vpp_layers=None, overwrite=F
     "workers": "sandboxed samples run at once (default: the CPU count)",
     "unsafe_weak_isolation": "where namespaces are unavailable, run samples with rlimits only (see README)",
 })
-def evaluate(c, recipe=None, set_=None, workdir=DEFAULT_WORKDIR, model=None, humaneval=False,
+def evaluate(_c, recipe=None, set_=None, workdir=DEFAULT_WORKDIR, model=None, humaneval=False,
              allow_code_execution=False, num_samples=None, temperature=None, top_p=None, max_new_tokens=None,
              problems=None, device="auto", dtype="auto", generation_batch=None, workers=None,
              unsafe_weak_isolation=False):
@@ -515,7 +515,7 @@ def _current_evaluation(run: Path, humaneval: bool):
 
 @task(help={"json": "print the report as JSON", "require": "comma-separated pieces that must be present "
                                                             "(cuda, nccl, apex, triton)"})
-def doctor(c, json_=False, require=""):
+def doctor(_c, json_=False, require=""):
     """What this machine has (torch, CUDA, NCCL, Apex, Triton) and what a missing piece disables."""
     from megatron_core import doctor as doctor_lib
 
@@ -555,7 +555,7 @@ def _bench_exit(rc: int) -> None:
 @task(name="preprocess", help={"workers": "worker processes (default 2)", "vocab_size": "BPE vocabulary size",
                                "engine": "auto | tiktoken | hf", "max_bytes": "stop the corpus after this many bytes"})
 @people_errors
-def bench_preprocess(c, workers=2, vocab_size=32768, engine="auto", max_bytes=None):
+def bench_preprocess(_c, workers=2, vocab_size=32768, engine="auto", max_bytes=None):
     """Preprocessing speed of the whole command on the Python-stdlib corpus (MB/s, tokens/s); JSON to bench/results/."""
     argv = ["--workers", str(workers), "--vocab-size", str(vocab_size), "--engine", engine]
     argv += ["--recipe-hash", config.load_recipe(DEFAULT_RECIPE).hash]
@@ -567,7 +567,7 @@ def bench_preprocess(c, workers=2, vocab_size=32768, engine="auto", max_bytes=No
 @task(name="dataset", help={"train_iters": "iterations (default CodeParrot-small's 150000)",
                             "global_batch_size": "global batch (default 192)", "seq_length": "sequence length"})
 @people_errors
-def bench_dataset(c, train_iters=150000, global_batch_size=192, seq_length=1024):
+def bench_dataset(_c, train_iters=150000, global_batch_size=192, seq_length=1024):
     """GPT dataset index build: ours vs megatron-core's on the same data; JSON to bench/results/."""
     small = config.load_recipe("codeparrot-small-8gpu")  # whose 150000 x 192 samples the defaults are
     _bench_exit(_bench_module("dataset").main(["--train-iters", str(train_iters), "--global-batch-size",
@@ -581,7 +581,7 @@ def bench_dataset(c, train_iters=150000, global_batch_size=192, seq_length=1024)
                                  "rounds": "paired rounds (two steps of each side, one GEMM pass) behind the ratios",
                                  "allow_emulated_gemm": "time bf16 even where its matmuls are emulated (no target "
                                                         "is judged)"})
-def bench_train(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, iters=20, warmup=3, repeats=2,
+def bench_train(_c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, iters=20, warmup=3, repeats=2,
                 baseline=None, rounds=10, allow_emulated_gemm=False):
     """Training throughput of our core (tokens/s, ms/iter, TFLOP/s, MFU, peak memory), optionally vs transformers."""
     argv = ["--recipe", recipe, "--workdir", str(workdir), "--iters", str(iters), "--warmup", str(warmup),
@@ -600,7 +600,7 @@ def bench_train(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, it
                          "repeats": "interleaved rounds", "threads": "torch threads (default: torch's choice)",
                          "device": "cpu | cuda | cuda:N"})
 @people_errors
-def bench_eval(c, problems=2, samples=8, batch=8, max_new_tokens=192, repeats=2, threads=0, device="cpu"):
+def bench_eval(_c, problems=2, samples=8, batch=8, max_new_tokens=192, repeats=2, threads=0, device="cpu"):
     """HumanEval generation tokens/s: evaluate's KV-cached sampler vs transformers' generate; JSON to bench/results/."""
     _bench_exit(_bench_module("eval").main(["--problems", str(problems), "--samples", str(samples), "--batch",
                                             str(batch), "--max-new-tokens", str(max_new_tokens), "--repeats",
@@ -609,7 +609,7 @@ def bench_eval(c, problems=2, samples=8, batch=8, max_new_tokens=192, repeats=2,
 
 @task(name="kernels", help={"dtype": "bf16 | fp16 | fp32", "iters": "timed iterations per kernel"})
 @people_errors
-def bench_kernels(c, dtype="bf16", iters=50):
+def bench_kernels(_c, dtype="bf16", iters=50):
     """Each fusion on CUDA: GB/s against copy bandwidth and speedup over eager; says so and exits 0 on a CPU."""
     _bench_exit(_bench_module("kernels").main(["--dtype", dtype, "--iters", str(iters)]))
 
@@ -620,7 +620,7 @@ def bench_kernels(c, dtype="bf16", iters=50):
                           "no_cache": "build without the layer cache",
                           "pull": "pull a newer base image", "dry_run": "print the docker build command and exit"})
 @people_errors
-def docker_build(c, tag=None, ngc_tag=None, ngc_digest=None, no_cache=False, pull=False, dry_run=False):
+def docker_build(_c, tag=None, ngc_tag=None, ngc_digest=None, no_cache=False, pull=False, dry_run=False):
     """Build the NGC-based image (Apex CUDA extensions checked at build time)."""
     from megatron_core import containers
 
@@ -643,7 +643,7 @@ def docker_build(c, tag=None, ngc_tag=None, ngc_digest=None, no_cache=False, pul
     "dry_run": "print the docker run command and exit",
 })
 @people_errors
-def docker_run(c, recipe="codeparrot-small", task_="train", gpus="all", mount=None, set_=None, env=None, image=None,
+def docker_run(_c, recipe="codeparrot-small", task_="train", gpus="all", mount=None, set_=None, env=None, image=None,
                workdir=DEFAULT_WORKDIR, cache=None, network_host=False, nnodes=1, node_rank=0, master_addr=None,
                master_port=None, dry_run=False):
     """Run a recipe's task inside the image: GPUs, ipc=host, memlock/stack ulimits, work and cache mounted."""
@@ -668,7 +668,7 @@ def docker_run(c, recipe="codeparrot-small", task_="train", gpus="all", mount=No
     "set_": "recipe override (repeatable)",
 })
 @people_errors
-def ci_golden(c, recipe="smoke", workdir=DEFAULT_WORKDIR, update=False, set_=None):
+def ci_golden(_c, recipe="smoke", workdir=DEFAULT_WORKDIR, update=False, set_=None):
     """Compare a smoke run's losses with ci/golden/<recipe>.json (diff table on drift), or --update them."""
     _checkout_package("ci")
     from ci import golden

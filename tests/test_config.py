@@ -17,7 +17,8 @@ def minimal(**sections):
 def test_defaults_are_megatron_defaults():
     r = recipe_from_dict(minimal())
     t, m = r.training, r.model
-    assert (t.seed, t.adam_beta1, t.adam_beta2, t.adam_eps, t.clip_grad, t.weight_decay) == (1234, 0.9, 0.999, 1e-8, 1.0, 0.01)
+    assert ((t.seed, t.adam_beta1, t.adam_beta2, t.adam_eps, t.clip_grad, t.weight_decay)
+            == (1234, 0.9, 0.999, 1e-8, 1.0, 0.01))
     assert (t.initial_loss_scale, t.min_loss_scale, t.loss_scale_window, t.hysteresis) == (2.0**32, 1.0, 1000, 2)
     assert (m.hidden_dropout, m.attention_dropout, m.init_method_std, m.layernorm_epsilon) == (0.1, 0.1, 0.02, 1e-5)
     assert m.make_vocab_size_divisible_by == 128 and t.lr_decay_style == "linear"
@@ -27,10 +28,13 @@ def test_defaults_are_megatron_defaults():
 def test_codeparrot_small_is_the_public_run():
     r = load_recipe("codeparrot-small-8gpu")
     m, p, t, d = r.model, r.parallel, r.training, r.data
-    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length, m.max_position_embeddings) == (12, 768, 12, 1024, 1024)
+    assert ((m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length, m.max_position_embeddings)
+            == (12, 768, 12, 1024, 1024))
     assert (p.world_size, p.tensor_model_parallel_size, p.pipeline_model_parallel_size) == (8, 1, 1)
-    assert (t.micro_batch_size, t.global_batch_size, t.train_iters, t.lr, t.lr_decay_style) == (12, 192, 150000, 5e-4, "cosine")
-    assert (t.lr_warmup_iters, t.lr_decay_iters, t.weight_decay, t.adam_beta2, t.fp16) == (2000, 150000, 0.1, 0.999, True)
+    assert ((t.micro_batch_size, t.global_batch_size, t.train_iters, t.lr, t.lr_decay_style)
+            == (12, 192, 150000, 5e-4, "cosine"))
+    assert ((t.lr_warmup_iters, t.lr_decay_iters, t.weight_decay, t.adam_beta2, t.fp16)
+            == (2000, 150000, 0.1, 0.999, True))
     assert (t.log_interval, t.save_interval, t.eval_interval, t.eval_iters) == (10, 2000, 200, 10)
     assert d.split == "969,30,1" and d.json_keys == ["content"] and d.append_eod
     assert r.corpus.sources[0]["name"] == "codeparrot/codeparrot-clean-train"
@@ -74,10 +78,14 @@ def test_wrong_type_names_key_value_and_expected_type():
     "sections, message",
     [
         ({"training": {"micro_batch_size": 4, "global_batch_size": 10}}, "not a multiple of micro_batch_size 4"),
-        ({"parallel": {"world_size": 4, "tensor_model_parallel_size": 2}, "training": {"micro_batch_size": 3, "global_batch_size": 3}}, "data-parallel size 2"),
-        ({"model": {"num_attention_heads": 12}, "parallel": {"world_size": 8, "tensor_model_parallel_size": 8}}, "not divisible by TP 8"),
-        ({"model": {"num_layers": 12}, "parallel": {"world_size": 5, "pipeline_model_parallel_size": 5}}, "not divisible by PP 5"),
-        ({"model": {"seq_length": 2048, "max_position_embeddings": 1024}}, "seq_length 2048 > model.max_position_embeddings 1024"),
+        ({"parallel": {"world_size": 4, "tensor_model_parallel_size": 2},
+          "training": {"micro_batch_size": 3, "global_batch_size": 3}}, "data-parallel size 2"),
+        ({"model": {"num_attention_heads": 12}, "parallel": {"world_size": 8, "tensor_model_parallel_size": 8}},
+         "not divisible by TP 8"),
+        ({"model": {"num_layers": 12}, "parallel": {"world_size": 5, "pipeline_model_parallel_size": 5}},
+         "not divisible by PP 5"),
+        ({"model": {"seq_length": 2048, "max_position_embeddings": 1024}},
+         "seq_length 2048 > model.max_position_embeddings 1024"),
         ({"parallel": {"world_size": 6, "tensor_model_parallel_size": 4}}, "world_size 6 is not divisible"),
         ({"model": {"make_vocab_size_divisible_by": 0}}, "model.make_vocab_size_divisible_by must be >= 1"),
         ({"parallel": {"sequence_parallel": True}}, "sequence_parallel needs tensor_model_parallel_size > 1"),
@@ -131,7 +139,8 @@ def test_stage_hashes_follow_what_each_stage_depends_on():
     assert base.stage_hash("preprocess") != vocab.stage_hash("preprocess")
     assert base.stage_hash("corpus") != docs.stage_hash("corpus")
     keys = load_recipe("smoke", ["data.json_keys=[text]"])  # the tokenizer is trained on these texts
-    assert base.stage_hash("corpus") == keys.stage_hash("corpus") and base.stage_hash("tokenizer") != keys.stage_hash("tokenizer")
+    assert base.stage_hash("corpus") == keys.stage_hash("corpus")
+    assert base.stage_hash("tokenizer") != keys.stage_hash("tokenizer")
     evaluation = load_recipe("smoke", ["evaluate.humaneval_num_samples=8"])  # how a run is evaluated
     assert evaluation.hash != base.hash and evaluation.stage_hash("train") == base.stage_hash("train")
 
@@ -197,7 +206,8 @@ def test_virtual_pipeline_stages_count_and_hash():
     assert "x 2 virtual stages" in chunked.describe()
     assert chunked.hash != recipe_from_dict(minimal(model=VPP["model"], parallel=VPP["parallel"],
                                                     training={"global_batch_size": 4})).hash
-    assert plain.diff(chunked.to_dict()) == ["parallel.num_layers_per_virtual_pipeline_stage", "training.global_batch_size"]
+    assert plain.diff(chunked.to_dict()) == ["parallel.num_layers_per_virtual_pipeline_stage",
+                                             "training.global_batch_size"]
 
 
 def test_a_key_added_to_the_schema_later_is_no_change_at_its_default():

@@ -65,7 +65,8 @@ def test_hf_dataset_from_disk_and_parquet_folder(tmp_path):
 
     rows = {"content": ["def a(): pass", "x = 2", "print(3)"], "repo": ["r1", "r2", "r3"]}
     datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows)}).save_to_disk(str(tmp_path / "saved"))
-    source = {"type": "hf-dataset", "name": str(tmp_path / "saved"), "revision": "local", "split": "train", "key": "content"}
+    source = {"type": "hf-dataset", "name": str(tmp_path / "saved"), "revision": "local", "split": "train",
+              "key": "content"}
     build_corpus([source], tmp_path / "a.jsonl")
     docs = _lines(tmp_path / "a.jsonl")
     assert [d["content"] for d in docs] == rows["content"] and docs[2]["row"] == 2
@@ -135,7 +136,7 @@ def test_a_moving_revision_is_unpinned_and_the_resolved_commit_is_recorded(tmp_p
 
     loaded = {}
 
-    def load_dataset(name, revision, split, streaming):
+    def load_dataset(_name, revision, **_options):  # corpus.py passes split= and streaming= by keyword
         loaded["revision"] = revision
         return [{"content": "def f():\n    return 1\n"}]
 

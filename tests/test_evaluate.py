@@ -129,7 +129,8 @@ def test_humaneval_through_evaluate_resumes_from_cache(eval_setup, monkeypatch):
     packed = evaluate(recipe, hf_dir, **{**kw, "out_dir": root / "ev-he-packed", "generation_batch": 4})
     assert sorted(map(json.dumps, _records(packed["humaneval"]["cache"]))) == sorted(map(json.dumps, records))
 
-    monkeypatch.setattr(runner, "generate_cached", lambda *a, **k: pytest.fail("cached problems were generated again"))
+    monkeypatch.setattr(runner, "generate_cached",
+                        lambda *_a, **_k: pytest.fail("cached problems were generated again"))
     again = evaluate(recipe, hf_dir, **kw)
     assert again["humaneval"]["passed_per_problem"] == first["humaneval"]["passed_per_problem"]
     with pytest.raises(Exception, match="allow-code-execution"):

@@ -37,7 +37,8 @@ def test_golden_byte_identical_to_megatron(tmp_path, workers):
         assert ours == (FIXTURE / f"megatron_content_document.{ext}").read_bytes(), ext
     assert summary["documents"] == 301 and summary["empty_documents_kept"] == {"content": 10}
     assert summary["sequences"] == {"content": 291}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["megatron_content_document.bin", "megatron_content_document.idx"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["megatron_content_document.bin",
+                                                          "megatron_content_document.idx"]
 
 
 def test_cli_golden_and_progress_line(tmp_path):
@@ -51,7 +52,8 @@ def test_cli_golden_and_progress_line(tmp_path):
     assert run.returncode == 0, run.stderr
     assert "Processed 300 documents (" in run.stderr and "MB/s" in run.stderr and "tokens/s" in run.stderr
     assert "10 empty kept" in run.stderr
-    assert (tmp_path / "m_content_document.idx").read_bytes() == (FIXTURE / "megatron_content_document.idx").read_bytes()
+    reference = (FIXTURE / "megatron_content_document.idx").read_bytes()
+    assert (tmp_path / "m_content_document.idx").read_bytes() == reference
 
 
 def test_ids_match_gpt2_tokenizer_fast_and_megatron_core_reads_them(tmp_path):
@@ -78,7 +80,8 @@ def test_legacy_impls_hold_the_same_tokens(tmp_path):
         preprocess(_args(corpus, tmp_path / impl, append_eod=True, dataset_impl=impl))
         assert (tmp_path / f"{impl}_content_document.idx").read_bytes()[:8] == b"TNTIDX\x00\x00"
         assert _read(tmp_path / f"{impl}_content_document") == reference
-        assert (tmp_path / f"{impl}_content_document.bin").read_bytes() == (tmp_path / "mmap_content_document.bin").read_bytes()
+        assert ((tmp_path / f"{impl}_content_document.bin").read_bytes()
+                == (tmp_path / "mmap_content_document.bin").read_bytes())
 
 
 def test_several_keys_gzip_and_globs(tmp_path):
@@ -142,7 +145,8 @@ GOOD = [json.dumps({"content": f"x = {i}"}) for i in range(300)]
 @pytest.mark.parametrize("workers", ["1", "2"])
 def test_malformed_json_names_file_and_line(tmp_path, capsys, workers):
     path = _corpus(tmp_path, GOOD + ['{"content": "broken'] + GOOD)
-    _assert_fails_cleanly(tmp_path, capsys, _cli(tmp_path, [path], "--workers", workers), r"c\.jsonl line 301: malformed JSON")
+    _assert_fails_cleanly(tmp_path, capsys, _cli(tmp_path, [path], "--workers", workers),
+                          r"c\.jsonl line 301: malformed JSON")
 
 
 def test_skip_bad_lines_counts_them(tmp_path, capsys):
@@ -182,7 +186,8 @@ def test_vocab_and_merges_that_disagree(tmp_path, capsys):
     bad = tmp_path / "vocab.json"
     bad.write_text(json.dumps(vocab), encoding="utf-8")
     path = _corpus(tmp_path, GOOD[:2])
-    _assert_fails_cleanly(tmp_path, capsys, _cli(tmp_path, [path], vocab=str(bad)), r"merges\.txt line \d+ .*do not belong together")
+    _assert_fails_cleanly(tmp_path, capsys, _cli(tmp_path, [path], vocab=str(bad)),
+                          r"merges\.txt line \d+ .*do not belong together")
 
 
 def test_a_lone_surrogate_is_refused_with_its_line(tmp_path, capsys):
@@ -196,7 +201,8 @@ def test_a_lone_surrogate_is_refused_with_its_line(tmp_path, capsys):
 def test_failure_after_output_started_leaves_nothing(tmp_path, capsys):
     # Thousands of good documents are written before the bad one is met.
     path = _corpus(tmp_path, GOOD * 10 + [json.dumps({"content": None})])
-    _assert_fails_cleanly(tmp_path, capsys, _cli(tmp_path, [path], "--workers", "2"), r"line 3001: key 'content' holds a NoneType")
+    _assert_fails_cleanly(tmp_path, capsys, _cli(tmp_path, [path], "--workers", "2"),
+                          r"line 3001: key 'content' holds a NoneType")
 
 
 def test_workers_read_ahead_a_bounded_number_of_chunks(tmp_path, monkeypatch):

@@ -37,7 +37,8 @@ def test_pipeline_trains_converts_and_evaluates(smoke_pipeline):
     assert config["model_type"] == "gpt2" and config["n_layer"] == 2
     results = json.loads((run / "eval" / "evaluation.json").read_text())
     assert set(results["perplexity"]) == {"valid", "test"}
-    summary = json.loads(proc.stdout[proc.stdout.rindex("{"):proc.stdout.rindex("}") + 1])  # evaluate's, then a pointer line
+    # evaluate's summary, then a pointer line
+    summary = json.loads(proc.stdout[proc.stdout.rindex("{"):proc.stdout.rindex("}") + 1])
     assert summary["valid_ppl"] == pytest.approx(results["perplexity"]["valid"]["ppl"])
     assert (run / "loss_curve.png").stat().st_size > 0
 
@@ -75,7 +76,8 @@ def test_convert_refuses_an_occupied_target_and_import_hf_round_trips(smoke_pipe
     assert (tmp_path / "hf10" / "pytorch_model.bin").exists()
     imported = invoke("import-hf", "--model", str(run / "hf"), "--save", str(tmp_path / "ckpt"), "--tp", "2")
     assert imported.returncode == 0, imported.stderr
-    assert sorted(p.name for p in (tmp_path / "ckpt" / "release").iterdir()) == ["manifest.json", "mp_rank_00", "mp_rank_01"]
+    assert (sorted(p.name for p in (tmp_path / "ckpt" / "release").iterdir())
+            == ["manifest.json", "mp_rank_00", "mp_rank_01"])
 
 
 def test_a_checkpoint_directory_converts_and_evaluates_on_its_own(smoke_pipeline, tmp_path):
@@ -124,8 +126,8 @@ def test_training_continues_from_an_imported_hf_model(smoke_pipeline, tmp_path):
 def test_launch_splits_the_recipe_world_over_nodes_and_names_the_run_it_starts(monkeypatch, tmp_path):
     from megatron_core import cli, config, workflow
 
-    monkeypatch.setattr(workflow, "tokenizer_files", lambda r, w: (Path("v.json"), Path("m.txt")))
-    monkeypatch.setattr(workflow, "data_prefixes", lambda r, w: ["data/prefix"])
+    monkeypatch.setattr(workflow, "tokenizer_files", lambda _r, _w: (Path("v.json"), Path("m.txt")))
+    monkeypatch.setattr(workflow, "data_prefixes", lambda _r, _w: ["data/prefix"])
 
     def launched(nproc, nnodes, set_=()):
         r, overrides, per_node = cli._launch_recipe("codeparrot-small-8gpu", list(set_), nproc, nnodes)

@@ -122,7 +122,8 @@ def import_hf_model(model: Union[str, Path], save: Union[str, Path], tp: int = 1
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_core.convert.hf_to_megatron", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m megatron_core.convert.hf_to_megatron",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True, help="Hugging Face GPT2 directory")
     parser.add_argument("--save", required=True, help="output Megatron checkpoint directory")
     parser.add_argument("--tp", type=int, default=1)

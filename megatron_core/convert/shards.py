@@ -231,8 +231,10 @@ def read_checkpoint(load_dir, iteration=None) -> MergedCheckpoint:
     check_rank_files(iter_dir, shards, tp, pp)
     for key in ("iteration", "recipe_hash", "checkpoint_version"):
         _check_same(shards, key, iter_dir)
-    args_seen = {pos: (_arg(c.get("args"), "tensor_model_parallel_size"), _arg(c.get("args"), "pipeline_model_parallel_size"),
-                       _arg(c.get("args"), "num_layers"), _arg(c.get("args"), "hidden_size")) for pos, c in shards.items()}
+    args_seen = {pos: (_arg(c.get("args"), "tensor_model_parallel_size"),
+                       _arg(c.get("args"), "pipeline_model_parallel_size"),
+                       _arg(c.get("args"), "num_layers"), _arg(c.get("args"), "hidden_size"))
+                 for pos, c in shards.items()}
     if len(set(args_seen.values())) > 1:
         raise UserError(f"{iter_dir}: shards disagree on the model/parallel args {args_seen}; they come from "
                         "different runs: copy one checkpoint's shards together")
@@ -281,7 +283,8 @@ def _merge(chunk_states: dict, version: float, shape: ModelShape, tp: int, pp: i
 # ----------------------------------------------------------------------------------------------
 
 
-def check_divisible(shape: ModelShape, tp: int, pp: int, num_layers_per_virtual_pipeline_stage: Optional[int] = None) -> None:
+def check_divisible(shape: ModelShape, tp: int, pp: int,
+                    num_layers_per_virtual_pipeline_stage: Optional[int] = None) -> None:
     problems = []
     if tp < 1 or pp < 1:
         problems.append(f"TP {tp} and PP {pp} must be >= 1")

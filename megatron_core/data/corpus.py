@@ -106,14 +106,16 @@ def _hf_documents(source: dict) -> Iterator[dict]:
             if isinstance(ds, datasets.DatasetDict):
                 ds = ds[split]
         elif local.is_dir():
-            files = sorted(p for p in local.rglob("*") if p.suffix in (".parquet", ".json", ".jsonl") or p.name.endswith(".jsonl.gz"))
+            files = sorted(p for p in local.rglob("*")
+                           if p.suffix in (".parquet", ".json", ".jsonl") or p.name.endswith(".jsonl.gz"))
             if not files:
                 raise UserError(f"corpus source hf-dataset: {name} holds no parquet/json files")
             builder = "parquet" if files[0].suffix == ".parquet" else "json"
             ds = datasets.load_dataset(builder, data_files=[str(p) for p in files], split="train")
         else:
             if not revision:
-                raise UserError(f"corpus source hf-dataset {name}: pin a 'revision' (commit sha or tag) for a reproducible corpus")
+                raise UserError(f"corpus source hf-dataset {name}: pin a 'revision' (commit sha or tag) "
+                                "for a reproducible corpus")
             revision = hub_commit(name, revision, "dataset")  # what a branch or tag points at now, recorded
             _log(f"hf-dataset {name}@{source.get('revision')} resolved to commit {revision}")
             ds = datasets.load_dataset(name, revision=revision, split=split, streaming=True)
@@ -167,7 +169,8 @@ def build_corpus(sources: list, out_path, max_documents: Optional[int] = None, m
                 if doc["source"] == "hf-dataset":
                     resolved[doc["dataset"]] = doc["revision"]
         if documents == 0:
-            raise UserError(f"the corpus sources {sources!r} gave no documents; check them (and max_documents/max_bytes)")
+            raise UserError(f"the corpus sources {sources!r} gave no documents; "
+                            "check them (and max_documents/max_bytes)")
 
     replace_atomically(out_path, write)
     summary = {"documents": documents, "content_bytes": content_bytes, "per_source": per_source, "path": str(out_path),

@@ -70,7 +70,8 @@ def _distributed() -> bool:
 # Sample counts and split
 
 
-def samples_per_split(train_iters: int, global_batch_size: int, eval_interval: int, eval_iters: int) -> Tuple[int, int, int]:
+def samples_per_split(train_iters: int, global_batch_size: int, eval_interval: int,
+                      eval_iters: int) -> Tuple[int, int, int]:
     """Samples requested per split, as Megatron-LM's training loop asks for them."""
     n_train = train_iters * global_batch_size
     n_valid = (train_iters // eval_interval + 1) * eval_iters * global_batch_size
@@ -102,7 +103,8 @@ def split_sequence_ranges(split: str, num_sequences: int) -> List[Optional[Tuple
     data was sentence-split): boundaries are int(round(fraction * num_sequences)).
     """
     return [
-        None if part is None else (int(round(part[0] * float(num_sequences))), int(round(part[1] * float(num_sequences))))
+        None if part is None
+        else (int(round(part[0] * float(num_sequences))), int(round(part[1] * float(num_sequences))))
         for part in parse_split(split)
     ]
 
@@ -135,7 +137,8 @@ def plan_epochs(tokens_per_epoch: int, num_samples: Optional[int], seq_length: i
     return EpochPlan(tokens_per_epoch, num_epochs, separate, before_last)
 
 
-def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState, separate_last_epoch: bool) -> np.ndarray:
+def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState,
+                         separate_last_epoch: bool) -> np.ndarray:
     """num_epochs copies of `documents` (int32), shuffled together; the last copy alone when separate."""
     if not separate_last_epoch or num_epochs == 1:
         document_index = np.tile(documents.astype(np.int32, copy=False), num_epochs)
@@ -149,7 +152,8 @@ def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.
 INT32_INDEX_LIMIT = np.iinfo(np.int32).max  # beyond it the sample index is int64
 
 
-def build_sample_index(sequence_lengths: np.ndarray, document_index: np.ndarray, seq_length: int, tokens_in_index: int) -> np.ndarray:
+def build_sample_index(sequence_lengths: np.ndarray, document_index: np.ndarray, seq_length: int,
+                       tokens_in_index: int) -> np.ndarray:
     """[num_samples + 1, 2] rows (position in document_index, token offset), num_samples = (tokens-1)//S.
 
     Row k marks flat token position k * seq_length of the documents concatenated in
@@ -338,7 +342,8 @@ def load_or_build(cache: IndexCache, build, what: str) -> Dict[str, np.ndarray]:
     if _distributed():
         torch.distributed.barrier()
     if not cache.is_complete():
-        raise RuntimeError(f"{what}: index files {cache.base}-* missing in {cache.cache_dir} after this node built them")
+        raise RuntimeError(f"{what}: index files {cache.base}-* missing in {cache.cache_dir} "
+                           "after this node built them")
     if _rank() == 0:
         log(f"{what}: memory-mapping {cache.base}-*.npy")
     return cache.load()
@@ -359,7 +364,8 @@ def _timed_build(build, what: str) -> Dict[str, np.ndarray]:
 class GPTDataset(torch.utils.data.Dataset):
     """Shuffled GPT samples of one split: dicts of int64 tensors, each seq_length long."""
 
-    def __init__(self, indexed_dataset, indices: Dict[str, np.ndarray], seq_length: int, split_name: str, eod_mask_token: Optional[int] = None, vocab_size: Optional[int] = None):
+    def __init__(self, indexed_dataset, indices: Dict[str, np.ndarray], seq_length: int, split_name: str,
+                 eod_mask_token: Optional[int] = None, vocab_size: Optional[int] = None):
         self.indexed_dataset = indexed_dataset
         self.vocab_size = vocab_size  # token ids at or above it are refused (they would index past the embedding)
         self.document_index = indices["document_index"]
@@ -393,15 +399,16 @@ class GPTDataset(torch.utils.data.Dataset):
         sample = self.sample_tokens(int(idx))
         if self.vocab_size is not None and sample.size and int(sample.max()) >= self.vocab_size:
             raise GPTDatasetError(
-                f"{self.indexed_dataset.path_prefix}.bin holds token id {int(sample.max())} (in {self.split_name} sample "
-                f"{idx}), not below the padded vocabulary size {self.vocab_size}: it was tokenized with another "
-                "vocabulary; re-run `invoke preprocess` with this run's tokenizer")
+                f"{self.indexed_dataset.path_prefix}.bin holds token id {int(sample.max())} "
+                f"(in {self.split_name} sample {idx}), not below the padded vocabulary size {self.vocab_size}: "
+                "it was tokenized with another vocabulary; re-run `invoke preprocess` with this run's tokenizer")
         text = torch.from_numpy(sample.astype(np.int64))
         tokens = text[:-1].contiguous()
         loss_mask = torch.ones(self.seq_length, dtype=torch.int64)
         if self.eod_mask_token is not None:
             loss_mask[tokens == self.eod_mask_token] = 0
-        return {"tokens": tokens, "labels": text[1:].contiguous(), "loss_mask": loss_mask, "position_ids": self._position_ids.clone()}
+        return {"tokens": tokens, "labels": text[1:].contiguous(), "loss_mask": loss_mask,
+                "position_ids": self._position_ids.clone()}
 
 
 def _open_indexed_dataset(prefix: str):
@@ -409,11 +416,14 @@ def _open_indexed_dataset(prefix: str):
 
     for suffix in (".bin", ".idx"):
         if not os.path.isfile(prefix + suffix):
-            raise GPTDatasetError(f"data file {prefix + suffix} not found; give the prefix of a preprocessed .bin/.idx pair (without the suffix)")
+            raise GPTDatasetError(f"data file {prefix + suffix} not found; give the prefix of a preprocessed "
+                                  ".bin/.idx pair (without the suffix)")
     return IndexedDataset(prefix)
 
 
-def _gpt_split_datasets(prefix: str, indexed, split: str, seq_length: int, sizes: Sequence[Optional[int]], seed: int, cache_dir: Optional[str], eod_mask_token: Optional[int], vocab_size: Optional[int] = None) -> List[Optional[GPTDataset]]:
+def _gpt_split_datasets(prefix: str, indexed, split: str, seq_length: int, sizes: Sequence[Optional[int]], seed: int,
+                        cache_dir: Optional[str], eod_mask_token: Optional[int],
+                        vocab_size: Optional[int] = None) -> List[Optional[GPTDataset]]:
     sequence_lengths = np.asarray(indexed.sequence_lengths)
     ranges = split_sequence_ranges(split, len(sequence_lengths))
     identity = _file_identity(prefix + ".idx")
@@ -472,13 +482,14 @@ def build_gpt_datasets(
     prefixes, weights = blending.parse_data_prefix(data_prefix)
     if weights is None:
         indexed = _open_indexed_dataset(prefixes[0])
-        return tuple(_gpt_split_datasets(prefixes[0], indexed, split, seq_length, num_samples, seed, cache_dir, eod_mask_token,
-                                         vocab_size))
+        return tuple(_gpt_split_datasets(prefixes[0], indexed, split, seq_length, num_samples, seed, cache_dir,
+                                         eod_mask_token, vocab_size))
     return tuple(_blended_datasets(prefixes, weights, split, seq_length, num_samples, seed, cache_dir, eod_mask_token,
                                    vocab_size))
 
 
-def _blended_datasets(prefixes, weights, split, seq_length, num_samples, seed, cache_dir, eod_mask_token, vocab_size=None):
+def _blended_datasets(prefixes, weights, split, seq_length, num_samples, seed, cache_dir, eod_mask_token,
+                      vocab_size=None):
     if any(n is None for n in num_samples):
         raise GPTDatasetError(f"a weighted blend needs a sample count for every split, got {num_samples!r}")
     normalized = blending.normalize(weights)
@@ -488,8 +499,8 @@ def _blended_datasets(prefixes, weights, split, seq_length, num_samples, seed, c
     for d, prefix in enumerate(prefixes):
         indexed = _open_indexed_dataset(prefix)
         sizes = [buffers[i][d] for i in range(3)]
-        components.append(_gpt_split_datasets(prefix, indexed, split, seq_length, sizes, seed, cache_dir, eod_mask_token,
-                                              vocab_size))
+        components.append(_gpt_split_datasets(prefix, indexed, split, seq_length, sizes, seed, cache_dir,
+                                              eod_mask_token, vocab_size))
     blend_weights = blending.normalize(normalized)  # megatron-core normalizes again inside BlendedDataset
     out = []
     for i, name in enumerate(SPLIT_NAMES):

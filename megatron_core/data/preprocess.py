@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--vocab-file", required=True)
     g.add_argument("--merge-file", required=True)
     g.add_argument("--append-eod", action="store_true", help="append the EOD token to every document")
-    g.add_argument("--lang", default="english", help="accepted for Megatron compatibility (punkt is trained on the input)")
+    g.add_argument("--lang", default="english",
+                   help="accepted for Megatron compatibility (punkt is trained on the input)")
     g.add_argument("--tokenizer-engine", default="auto", choices=ENGINES)
     g = p.add_argument_group("output data")
     g.add_argument("--output-prefix", required=True)
@@ -192,9 +193,10 @@ class _Encoder:
             encoded = {}
             for key in self.keys:
                 if key not in doc:
-                    out.append(("error", number, f"has no key {key!r} (keys: {', '.join(map(str, doc))}); set --json-keys"))
+                    out.append(("error", number,
+                                f"has no key {key!r} (keys: {', '.join(map(str, doc))}); set --json-keys"))
                     break
-                encoded[key] = self._encode_text(doc[key], number, key)
+                encoded[key] = self._encode_text(doc[key], key)
                 if isinstance(encoded[key], str):
                     out.append(("error", number, encoded[key]))
                     break
@@ -202,7 +204,7 @@ class _Encoder:
                 out.append(("ok", encoded, nbytes))
         return chunk.path, out
 
-    def _encode_text(self, value, number, key):
+    def _encode_text(self, value, key):
         if isinstance(value, list) and all(isinstance(s, str) for s in value):
             sentences = value  # already split, as Megatron accepts
         elif isinstance(value, str):
@@ -312,7 +314,8 @@ def preprocess(args: argparse.Namespace) -> dict:
     level = "sentence" if args.split_sentences else "document"
     Path(args.output_prefix).parent.mkdir(parents=True, exist_ok=True)
     prefixes = {key: f"{args.output_prefix}_{key}_{level}" for key in args.json_keys}
-    builders = {key: IndexedDatasetBuilder(f"{p}.bin", dtype=dtype, impl=args.dataset_impl) for key, p in prefixes.items()}
+    builders = {key: IndexedDatasetBuilder(f"{p}.bin", dtype=dtype, impl=args.dataset_impl)
+                for key, p in prefixes.items()}
     progress = _Progress(args.log_interval)
     cpu_start = _cpu_seconds()
     empty = {key: 0 for key in args.json_keys}

@@ -185,7 +185,7 @@ def check_prompts(loaded: LoadedModel, problems: list[dict]) -> None:
                             "with the tokenizer the model was trained with (vocab.json/merges.txt beside the model)")
 
 
-def auto_batch(loaded: LoadedModel, settings: HumanEvalSettings) -> int:
+def auto_batch(loaded: LoadedModel) -> int:
     """Rows per generation batch: 16 on a CPU; on a GPU as many as half its free memory holds, at most 1024.
     A row holds its KV cache over the whole context, and per step about 48 bytes per vocabulary entry
     (fp32 logits and their sorted copy, int64 order, float64 probabilities and CDF, masks)."""
@@ -193,7 +193,8 @@ def auto_batch(loaded: LoadedModel, settings: HumanEvalSettings) -> int:
         return 16
     config = loaded.model.config
     itemsize = torch.finfo(loaded.placement.dtype).bits // 8
-    per_row = 2 * config.num_hidden_layers * loaded.context_window * config.hidden_size * itemsize + 48 * config.vocab_size
+    per_row = (2 * config.num_hidden_layers * loaded.context_window * config.hidden_size * itemsize
+               + 48 * config.vocab_size)
     free, _ = torch.cuda.mem_get_info(loaded.placement.device)
     return max(1, min(1024, int(free // 2 // per_row)))
 
@@ -253,7 +254,8 @@ class HumanEvalSampler:
 
 def markdown_table(results: dict, reference: dict) -> str:
     rows = ["| metric | ours | reference |", "|---|---|---|"]
-    metrics = [k for k in results if k.startswith("pass@")] + [f"{s}_{m}" for s in ("valid", "test") for m in ("loss", "ppl")]
+    metrics = ([k for k in results if k.startswith("pass@")]
+               + [f"{s}_{m}" for s in ("valid", "test") for m in ("loss", "ppl")])
     for key in dict.fromkeys(metrics + list(reference)):
         ours = results.get(key)
         if ours is None:
@@ -289,7 +291,7 @@ def evaluate(recipe, model: Union[str, Path, torch.nn.Module], *, workdir=".", o
     if do_he:
         problems = load_problems(settings.problems)
         check_prompts(loaded, problems)
-        sampler = HumanEvalSampler(loaded, settings, generation_batch or auto_batch(loaded, settings))
+        sampler = HumanEvalSampler(loaded, settings, generation_batch or auto_batch(loaded))
     out_dir = Path(out_dir or Path(workdir) / "evaluation")
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"evaluate: {loaded.description}, model hash {loaded.model_hash}", flush=True)
