@@ -1,0 +1,131 @@
+"""Finding recipe files: the recipes directory, a name or family resolved to a file (a family by the
+number of visible GPUs, counted only when a family needs it), and a file read with its `base:` chain.
+
+A recipe may start from another: `base: NAME` (a recipe in recipes_dir()) or `base: PATH` (relative to
+the recipe file), then give only what differs. Bases may chain. The child's sections merge key by key
+over the base's (nested mappings too); any other value, lists included, replaces the base's. `base`
+itself is no recipe value: the resolved recipe and its hash are those of the merged mapping.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from megatron_core.config.parsing import did_you_mean
+from megatron_core.errors import UserError
+
+
+def recipes_dir() -> Path:
+    env = os.environ.get("MEGATRON_RECIPES_DIR")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "recipes"
+
+
+def list_recipe_files() -> list[Path]:
+    return sorted(recipes_dir().glob("*.yaml"))
+
+
+def _read_yaml(path: Path) -> Any:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise UserError(f"cannot read recipe {path}: {exc.strerror}") from None
+    try:
+        return yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise UserError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+
+
+def read_recipe_file(path: Path) -> Any:
+    """The recipe file's mapping with its `base:` chain merged in (and the `base` key gone)."""
+    return _with_bases(Path(path), ())
+
+
+def _with_bases(path: Path, chain: tuple[Path, ...]) -> Any:
+    raw = _read_yaml(path)
+    if not isinstance(raw, dict) or "base" not in raw:
+        return raw  # a non-mapping is refused, naming the file, when the recipe is built
+    raw = dict(raw)
+    base = _base_path(raw.pop("base"), path)
+    seen = (*chain, path.resolve())
+    if base.resolve() in seen:
+        loop = " -> ".join(p.name for p in (*seen, base))
+        raise UserError(f"{path}: recipe bases form a cycle ({loop}): remove one of these 'base:' keys")
+    if "name" not in raw:
+        raise UserError(f"{path}: missing 'name' (a recipe with a base still names itself)")
+    inherited = _with_bases(base, seen)
+    if not isinstance(inherited, dict):
+        raise UserError(f"{base}: a recipe must be a YAML mapping (it is the base of {path})")
+    return merge_over(inherited, raw)
+
+
+def _base_path(spec: Any, path: Path) -> Path:
+    """`base:` of the recipe at `path`: a recipe name, or a path relative to that file."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise UserError(f"{path}: base must be a recipe name or a path relative to this file, got {spec!r}")
+    if spec.endswith((".yaml", ".yml")) or "/" in spec or os.sep in spec:
+        candidate = path.parent / spec
+        if not candidate.is_file():
+            raise UserError(f"{path}: base {spec} does not exist ({candidate}; a path is relative to this file)")
+        return candidate
+    by_name = {f.stem: f for f in list_recipe_files()}
+    if spec not in by_name:
+        raise UserError(f"{path}: unknown base '{spec}'{did_you_mean(spec, by_name)} (a recipe name in "
+                        f"{recipes_dir()}: {', '.join(sorted(by_name))}; or a path relative to this file)")
+    return by_name[spec]
+
+
+def merge_over(base: dict, child: dict) -> dict:
+    """`child` over `base`: mappings merge key by key, anything else (lists included) replaces; an empty
+    mapping written as a bare `section:` (null) keeps the base's."""
+    merged = copy.deepcopy(base)
+    for key, value in child.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge_over(merged[key], value)
+        elif value is None and isinstance(merged.get(key), dict):
+            continue
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def visible_gpu_count() -> int:
+    # torch is imported here, not at module import: finding a recipe stays fast, and only a family
+    # with variants for several GPU counts asks
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001 - a broken CUDA setup means "no GPUs" for recipe choice
+        return 0
+
+
+def resolve_recipe_path(spec: str, gpus: Optional[int] = None) -> Path:
+    """A file path, a recipe name (file stem) or a family name. A family selects the variant whose
+    `parallel.world_size` equals the number of visible GPUs, else its 8-GPU (largest) variant."""
+    path = Path(spec)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.exists():
+            raise UserError(f"recipe file {spec} does not exist")
+        return path
+    files = list_recipe_files()
+    by_name = {f.stem: f for f in files}
+    if spec in by_name:
+        return by_name[spec]
+    resolved = [(f, read_recipe_file(f)) for f in files]
+    family = [(f, raw) for f, raw in resolved if raw.get("family") == spec]
+    if family:
+        sizes = {int((raw.get("parallel") or {}).get("world_size", 1)): f for f, raw in family}
+        if len(sizes) == 1:
+            return next(iter(sizes.values()))
+        gpus = visible_gpu_count() if gpus is None else gpus
+        return sizes.get(gpus) or sizes[max(sizes)]
+    families = sorted({raw.get("family") for _, raw in resolved if raw.get("family")})
+    raise UserError(
+        f"no recipe named '{spec}'{did_you_mean(spec, list(by_name) + families)} "
+        f"(known: {', '.join(sorted(by_name))}; families: {', '.join(families)})"
+    )

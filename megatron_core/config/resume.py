@@ -1,0 +1,28 @@
+"""The resume policy: which recipe keys a resumed run may change from its checkpoint's recipe
+(megatron_core.training.checkpointing refuses a resume that changes any other)."""
+
+# Keys that may change between a checkpoint and its resume without changing what is learned.
+RESUME_SAFE_KEYS = frozenset(
+    {
+        "training.train_iters",
+        "model.attention_backend",
+        "training.log_interval",
+        "training.save_interval",
+        "training.keep_last_checkpoints",
+        "training.max_consecutive_nan_steps",
+        "training.eval_interval",
+        "training.eval_iters",
+        "training.lr_decay_iters",
+        "training.device",
+        "training.optimizer",
+        "description",
+        "hardware",
+        "version",
+        "evaluate",
+        # The layout: a resume re-slices weights and optimizer state for any TP x PP x DP; the
+        # vocabulary padding may change with it as long as the padded size stays (checked on load).
+        "parallel",
+        "model.make_vocab_size_divisible_by",
+    }
+)
+
