@@ -41,6 +41,8 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from megatron_core.launch import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = "smoke"
 SKIPPED = "skipped"
@@ -80,7 +82,7 @@ def _run(cmd: list[str], log: Path, timeout: float, env: Optional[dict] = None) 
 def _invoke_train(workdir: Path, overrides: list[str], log: Path, timeout: float) -> Path:
     """`invoke train --torchrun` of the smoke recipe; returns the run directory."""
     cmd = [sys.executable, "-m", "invoke", "train", "--recipe", RECIPE, "--workdir", str(workdir), "--torchrun",
-           "--master-port", str(_free_port())]
+           "--master-port", str(free_port())]
     for item in overrides:
         cmd += ["--set", item]
     out = _run(cmd, log, timeout)
@@ -88,14 +90,6 @@ def _invoke_train(workdir: Path, overrides: list[str], log: Path, timeout: float
     if not lines:
         raise PartFailed("invoke train printed no run directory")
     return Path(lines[-1].split(": ", 1)[1])
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _train_records(run_dir: Path) -> list[dict]:
@@ -260,7 +254,7 @@ def part_layout_8_ranks(device: str, workdir: Path, logs: Path) -> dict:
     recipe = load_recipe(RECIPE, common + layout + ["parallel.world_size=8"])
     vocab, merges = workflow.tokenizer_files(recipe, workdir)
     run_dir, report = workdir / "layout-8", workdir / "layout-8-collectives"
-    cmd = torchrun_command(RECIPE, common + layout, 8, master_port=_free_port(), extra_args=[
+    cmd = torchrun_command(RECIPE, common + layout, 8, master_port=free_port(), extra_args=[
         "--run-dir", str(run_dir), "--vocab-file", str(vocab), "--merge-file", str(merges),
         "--data-path", *[str(p) for p in workflow.data_prefixes(recipe, workdir)]])
     at = cmd.index("megatron_core.pretrain_gpt") - 1  # its "-m": run it under the shim instead

@@ -27,6 +27,30 @@ class LaunchError(UserError):
     """Launch flags that cannot describe a job."""
 
 
+def free_port() -> int:
+    """A free TCP port below the kernel's ephemeral range, for a torchrun master. A port the kernel handed out
+    (bind to 0) can be handed out again as the local end of any connection (other jobs' gloo ranks open
+    dozens) in the seconds before torchrun binds it; below the range only another explicit bind can take it."""
+    import random
+    import socket
+    from pathlib import Path
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(min(10000, low // 2), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port found in [{min(10000, low // 2)}, {low}) after 200 tries")
+
+
 def _torchrun() -> list[str]:
     """The torchrun of this interpreter's environment (the module form works without the script)."""
     exe = shutil.which("torchrun")

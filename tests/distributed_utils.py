@@ -14,43 +14,16 @@ from __future__ import annotations
 import io
 import os
 import queue
-import random
-import socket
 import time
 import traceback
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.multiprocessing as mp
 
+from megatron_core.launch import free_port
+
 DEFAULT_TIMEOUT_S = 300.0  # a hang guard, not a speed check: .ci/run runs two test files at once on 2 cores
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
-
-
-def free_port() -> int:
-    """A free TCP port below the kernel's ephemeral range. A port the kernel handed out (bind to 0) can be
-    handed out again, as the local end of any connection: the other xdist worker's gloo ranks open dozens,
-    and a test that launches torchrun only after seconds of data preparation leaves that long a window for
-    one of them to take its master port. Below the range only another explicit bind can take it."""
-    low = _ephemeral_range()[0]
-    rng = random.SystemRandom()
-    for _ in range(200):
-        port = rng.randrange(min(10000, low // 2), low)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free TCP port found in [{min(10000, low // 2)}, {low}) after 200 tries")
 
 
 def _child(rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple, results) -> None:

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from distributed_utils import free_port
 
 from megatron_core import workflow
 from megatron_core.checkpoint_format import read_tracker
@@ -177,7 +178,7 @@ def test_ctrl_c_through_invoke_saves_where_it_stopped_and_exits_130(smoke_data, 
     run_dir = _run_dir(smoke_data)
     for stale in (run_dir / "checkpoints", run_dir / "metrics.jsonl", run_dir / "summary.json"):
         subprocess.run(["rm", "-rf", str(stale)], check=True)
-    proc = _start_train(smoke_data, *launcher)
+    proc = _start_train(smoke_data, *launcher, *(["--master-port", str(free_port())] if launcher else []))
     _wait_for_iteration(run_dir, proc, 3)
     os.killpg(proc.pid, signal.SIGINT)  # the terminal sends Ctrl-C to the job's whole process group
     out, _ = proc.communicate(timeout=120)
