@@ -13,6 +13,7 @@ import copy
 
 import pytest
 import torch
+from test_training_optimizer import TwoLayer
 
 from megatron_core.config import load_recipe
 from megatron_core.errors import UserError
@@ -63,18 +64,6 @@ class ApexFusedAdam(torch.optim.Optimizer):
                 p.copy_(p.float() - lr * update)
 
 
-class TwoLayer(torch.nn.Module):
-    """A decayed weight and undecayed bias/norm weights: both of the wrapper's parameter groups."""
-
-    def __init__(self):
-        super().__init__()
-        self.dense = torch.nn.Linear(6, 6)
-        self.layernorm = torch.nn.LayerNorm(6)
-
-    def forward(self, x):
-        return self.layernorm(self.dense(x)).pow(2).mean()
-
-
 def _optimizer(model, precision: str, apex: bool, scaler=None) -> MegatronOptimizer:
     opt = MegatronOptimizer(model, SETTINGS, precision=precision, clip_grad=1.0, grad_scaler=scaler,
                             device=torch.device("cpu"), fused_adam_cls=ApexFusedAdam if apex else None)
@@ -100,7 +89,7 @@ def _batches(n: int, dtype=torch.float32) -> list[torch.Tensor]:
 
 def _model(dtype=torch.float32) -> TwoLayer:
     torch.manual_seed(0)
-    return TwoLayer().to(dtype)
+    return TwoLayer(6).to(dtype)
 
 
 def _assert_same(a: MegatronOptimizer, b: MegatronOptimizer) -> None:

@@ -48,10 +48,12 @@ def test_megatron_defaults_in_recipe_schema():
 # -- optimizer -------------------------------------------------------------------------------------
 
 class TwoLayer(torch.nn.Module):
-    def __init__(self):
+    """A decayed weight and undecayed bias/norm weights: both of the wrapper's parameter groups."""
+
+    def __init__(self, width: int = 4):
         super().__init__()
-        self.dense = torch.nn.Linear(4, 4)
-        self.layernorm = torch.nn.LayerNorm(4)
+        self.dense = torch.nn.Linear(width, width)
+        self.layernorm = torch.nn.LayerNorm(width)
 
     def forward(self, x):
         return self.layernorm(self.dense(x)).pow(2).mean()
