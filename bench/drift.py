@@ -93,7 +93,7 @@ def run(recipe_spec: str, overrides=(), workdir: str = "./work", fusions: str = 
         losses, snapshots, states = {}, {}, {}
         for side, recipe in recipes.items():
             step, model, description, optimizer = build_ours(setup, recipe)
-            losses[side] = [step() for _ in range(steps)]
+            losses[side] = [float(step()) for _ in range(steps)]  # the step leaves its loss unread on the device
             snapshots[side] = _snapshot(model, optimizer)
             states[side] = {k: v.detach().clone() for k, v in model.state_dict().items()}
             shown = ", ".join(f"{x:.6f}" for x in losses[side])

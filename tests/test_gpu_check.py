@@ -23,14 +23,16 @@ def test_every_part_runs_on_the_cpu_and_writes_the_summary(tmp_path):
                            str(tmp_path / "work"), "--results-dir", str(results), "--time-scale", "3"],
                           cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:]
-    summary = json.loads((results / Path(json.loads(proc.stdout.splitlines()[-1])["results_file"]).name).read_text())
+    summary_file = results / Path(json.loads(proc.stdout.splitlines()[-1])["results_file"]).name
+    summary = json.loads(summary_file.read_text())
     assert summary["ok"] is True and summary["cuda"] is None and summary["torch"] == torch.__version__
     parts = {p["name"]: p for p in summary["parts"]}
     assert list(parts) == ["train-resume", "precision", "recompute", "layout-8-ranks", "evaluation", "kernels-rng"]
     assert all(p["ok"] for p in parts.values()), {n: p["detail"] for n, p in parts.items() if not p["ok"]}
     assert [name for name, p in parts.items() if p["skipped"]] == ["kernels-rng"]  # CUDA only
     # each part's own JSON beside the summary
-    assert len(list(results.glob("gpu-check-*-*.json"))) == len(parts)
+    stamp = Path(summary_file).stem
+    assert {p.name for p in results.glob(f"{stamp}-*.json")} == {f"{stamp}-{name}.json" for name in parts}
 
     resume = parts["train-resume"]["detail"]
     assert resume["noise_floor_rel"] == 0.0 and resume["resume_max_rel_diff"] <= 1e-5  # two fresh CPU runs agree
