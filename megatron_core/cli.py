@@ -210,7 +210,7 @@ TRAIN_HELP = {
     "nnodes": "number of nodes (multi-node through torchrun)",
     "node_rank": "this node's rank",
     "master_addr": "address of node 0",
-    "master_port": "port on node 0",
+    "master_port": "port on node 0 (default: a free port on one node, 29500 across nodes)",
     "rdzv_endpoint": "torchrun rendezvous endpoint host:port (instead of master addr/port)",
     "load": "checkpoint directory to resume from (default: the run's own)",
     "no_save_optim": "write model-only checkpoints",
@@ -222,7 +222,7 @@ TRAIN_HELP = {
 
 @recipe_task(help=TRAIN_HELP)
 def train(_c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, nproc=0, nnodes=1, node_rank=0,
-          master_addr="127.0.0.1", master_port=29500, rdzv_endpoint=None, load=None, no_save_optim=False,
+          master_addr="127.0.0.1", master_port=None, rdzv_endpoint=None, load=None, no_save_optim=False,
           torchrun=False, no_fallback=False, from_scratch=False):
     """Train the recipe (running the missing data steps first); prints the run directory."""
     from megatron_core.launch import run_forwarding_signals
@@ -241,6 +241,10 @@ def train(_c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, nproc=0
         print(f"run directory: {run}")
         return
     workflow.ensure_training_inputs(r, workdir)
+    if master_port is None:  # one node needs only a port free here: two runs on one machine must not collide
+        from megatron_core.launch import free_port
+
+        master_port = free_port() if nnodes == 1 else 29500
     cmd = _train_command(r, overrides, nproc, nnodes, node_rank, master_addr, master_port, rdzv_endpoint, load,
                          no_save_optim, workdir, use_torchrun=torchrun, no_fallback=no_fallback,
                          from_scratch=from_scratch)
