@@ -333,27 +333,37 @@ def _crc32_file(path: Path) -> tuple[int, int]:
     return size, crc
 
 
+def manifest_paths(iter_dir: Path) -> list[Path]:
+    """manifest.json and, on nodes without a shared disk, each other node's manifest-rank<R>.json: gathered
+    into one directory, every node's files stay verified."""
+    return sorted(Path(iter_dir).glob("manifest*.json"))
+
+
 def read_manifest(iter_dir: Path) -> Optional[dict[str, tuple[int, int]]]:
-    """{path relative to the iteration directory: (size, crc32)}, or None for a checkpoint written
-    without one (before manifests, or by Megatron-LM): those load unverified."""
-    path = Path(iter_dir) / MANIFEST_FILENAME
-    if not path.exists():
+    """{path relative to the iteration directory: (size, crc32)} of all its manifests, or None for a
+    checkpoint written without one (before manifests, or by Megatron-LM): those load unverified."""
+    paths = manifest_paths(iter_dir)
+    if not paths:
         return None
-    try:
-        files = json.loads(path.read_text(encoding="utf-8"))["files"]
-        return {name: (int(entry["size"]), int(entry["crc32"], 16)) for name, entry in files.items()}
-    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path} is damaged ({type(exc).__name__}); the checkpoint cannot be verified") from None
+    merged: dict[str, tuple[int, int]] = {}
+    for path in paths:
+        try:
+            files = json.loads(path.read_text(encoding="utf-8"))["files"]
+            merged.update({name: (int(entry["size"]), int(entry["crc32"], 16)) for name, entry in files.items()})
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{path} is damaged ({type(exc).__name__}); the checkpoint cannot be "
+                                  "verified") from None
+    return merged
 
 
 def verify_file(path: Path) -> None:
     """Check a rank file against its iteration's manifest (a no-op where there is none)."""
     path = Path(path)
     iter_dir = path.parent.parent
-    if parse_rank_dirname(path.parent.name) is None or not (iter_dir / MANIFEST_FILENAME).exists():
+    if parse_rank_dirname(path.parent.name) is None or not manifest_paths(iter_dir):
         return
     expected = read_manifest(iter_dir).get(f"{path.parent.name}/{path.name}")
-    if expected is None:  # copied in from another node's folder (no shared disk): that node's manifest had it
+    if expected is None:  # copied in from another node's folder without that node's manifest-rank<R>.json
         return
     size, crc = _crc32_file(path)
     if (size, crc) != expected:
@@ -467,12 +477,12 @@ def write_rank_file(save: Path, iteration, tp_rank: int, pp_rank: int, pp_size: 
     return path
 
 
-def write_manifest(staging: Path, iteration) -> None:
-    """Gather the staged files' sizes and crc32s into manifest.json (fsynced), dropping the notes."""
+def write_manifest(staging: Path, iteration, name: str = MANIFEST_FILENAME) -> None:
+    """Gather the staged files' sizes and crc32s into the manifest `name` (fsynced), dropping the notes."""
     files = {}
     for path in sorted(p for p in Path(staging).rglob("*") if p.is_file()):
         rel = path.relative_to(staging).as_posix()
-        if rel == MANIFEST_FILENAME or path.name.endswith(_SUM_SUFFIX):
+        if (path.parent == Path(staging) and path.name.startswith("manifest")) or path.name.endswith(_SUM_SUFFIX):
             continue
         note = path.with_name(path.name + _SUM_SUFFIX)
         if note.exists():
@@ -482,7 +492,7 @@ def write_manifest(staging: Path, iteration) -> None:
             size, crc = _crc32_file(path)
         files[rel] = {"size": size, "crc32": f"{crc:08x}"}
     text = json.dumps({"iteration": iteration, "checksum": "crc32", "files": files}, indent=1) + "\n"
-    atomic_write_text(Path(staging) / MANIFEST_FILENAME, text)
+    atomic_write_text(Path(staging) / name, text)
     for note in Path(staging).rglob("*" + _SUM_SUFFIX):
         note.unlink()
 
@@ -546,13 +556,15 @@ def prune_iterations(save: Path, iteration: int, keep_last: Optional[int]) -> li
     return removed
 
 
-def publish_iteration(save: Path, iteration, keep_last: Optional[int] = None) -> Path:
+def publish_iteration(save: Path, iteration, keep_last: Optional[int] = None,
+                      manifest_name: str = MANIFEST_FILENAME) -> Path:
     """Move the staged iteration into place, then the tracker; then drop all but the newest
     `keep_last` iterations. The tracker never names a directory that is not there: re-saving the
-    iteration it names first points it at the previous complete one (docs/checkpoint-format.md)."""
+    iteration it names first points it at the previous complete one (docs/checkpoint-format.md).
+    `manifest_name`: a node that publishes its own ranks' files (no shared disk) names its manifest apart."""
     save = Path(save)
     final_dir, tmp_dir = iteration_dir(save, iteration), staging_dir(save, iteration)
-    write_manifest(tmp_dir, iteration)
+    write_manifest(tmp_dir, iteration, manifest_name)
     old = final_dir.with_name(final_dir.name + ".old")
     if final_dir.exists():  # re-saving an iteration: move the old one aside
         if read_tracker_leniently(save)[0] == iteration:

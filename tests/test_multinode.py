@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_core.checkpoint_format import CheckpointError
+
 from distributed_utils import free_port
 from megatron_core.launch import LaunchError, torchrun_command
 from megatron_core.training.logging import read_metrics
@@ -166,12 +168,19 @@ def test_two_nodes_without_a_shared_filesystem(tmp_path):
     # Each node holds its own TP rank's file; gathered, they are the one-node checkpoint.
     held = {name: sorted(p.name for p in (runs[name] / "checkpoints" / "iter_0000006").iterdir())
             for name in ("node0", "node1")}
-    assert held == {"node0": ["manifest.json", "mp_rank_00"], "node1": ["manifest.json", "mp_rank_01"]}
+    assert held == {"node0": ["manifest.json", "mp_rank_00"], "node1": ["manifest-rank1.json", "mp_rank_01"]}
     gathered = tmp_path / "gathered"
     shutil.copytree(runs["node0"] / "checkpoints", gathered)
-    shutil.copytree(runs["node1"] / "checkpoints" / "iter_0000006" / "mp_rank_01",
-                    gathered / "iter_0000006" / "mp_rank_01")
+    shutil.copytree(runs["node1"] / "checkpoints" / "iter_0000006", gathered / "iter_0000006", dirs_exist_ok=True)
     merged, reference = read_checkpoint(gathered), read_checkpoint(runs["one-node"] / "checkpoints")
     assert merged.state.keys() == reference.state.keys()
     for name, tensor in reference.state.items():
         assert torch.allclose(merged.state[name], tensor, rtol=1e-6, atol=1e-7), name
+    # gathered, each node's manifest still covers its own files (one manifest.json per node would have
+    # overwritten node 0's): a flipped byte in node 0's file is found
+    node0_file = gathered / "iter_0000006" / "mp_rank_00" / "model_optim_rng.pt"
+    data = bytearray(node0_file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    node0_file.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="mp_rank_00/model_optim_rng.pt fails verification"):
+        read_checkpoint(gathered)

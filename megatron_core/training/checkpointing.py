@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from megatron_core import parallel_state
 from megatron_core.checkpoint_format import (
+    MANIFEST_FILENAME,
     CHECKPOINT_VERSION,
     OPTIM_STATE_KEYS,
     RECIPE_FILENAME,
@@ -207,22 +208,23 @@ def save_checkpoint(save, iteration: int, *, model_state, args: argparse.Namespa
     _barrier()
     final_dir = iteration_dir(save, iteration)
     if is_global_zero:
-        _publish(save, iteration, recipe, tokenizer_files)
+        _publish(save, iteration, recipe, tokenizer_files, MANIFEST_FILENAME)
     _barrier()
     # On a shared filesystem rank 0 has published every file; a node with its own disk still holds
     # its ranks' files in staging and publishes them there (gathered in one directory, they load).
     if is_node_zero and not is_global_zero and staging_dir(save, iteration).is_dir():
-        _publish(save, iteration, recipe, tokenizer_files)
+        _publish(save, iteration, recipe, tokenizer_files, f"manifest-rank{dist.get_rank()}.json")
     _barrier()
     return final_dir
 
 
-def _publish(save: Path, iteration: int, recipe, tokenizer_files) -> None:
+def _publish(save: Path, iteration: int, recipe, tokenizer_files, manifest_name: str) -> None:
     """What convert and evaluate need beside the weights (tokenizer, recipe.yaml), then the iteration."""
     if tokenizer_files:
         write_tokenizer_files(save, *tokenizer_files)
     atomic_write_text(save / RECIPE_FILENAME, recipe.to_yaml())
-    publish_iteration(save, iteration, keep_last=recipe.training.keep_last_checkpoints)
+    publish_iteration(save, iteration, keep_last=recipe.training.keep_last_checkpoints,
+                      manifest_name=manifest_name)
 
 
 def check_can_save(run_dir: Path, save: Path, *, parameters: int, bytes_per_parameter: int) -> None:
@@ -266,6 +268,26 @@ def check_recipe_compatible(recipe, saved_recipe: dict, saved_hash: str, where: 
             "fresh with another --save/--run-dir (only "
             f"{', '.join(sorted(RESUME_SAFE_KEYS))} may change on resume)")
     return changed
+
+
+def lr_schedule_note(recipe, saved_recipe: dict, iteration: int) -> Optional[str]:
+    """One line saying how a resume with a raised (or lowered) train_iters moves the LR decay, where
+    lr_decay_iters follows train_iters (as in Megatron, the schedule's shape comes from this run's recipe
+    and its position from the checkpoint); None where the decay end stays."""
+    from megatron_core.training.lr_schedule import learning_rate
+
+    t, saved = recipe.training, saved_recipe.get("training", {})
+    before = saved.get("lr_decay_iters") or saved.get("train_iters")
+    if t.lr_decay_iters is not None or t.lr_decay_style == "constant" or before in (None, t.decay_iters):
+        return None
+
+    def lr(decay_iters: int) -> float:
+        return learning_rate(iteration, max_lr=t.lr, min_lr=t.min_lr, warmup_steps=t.lr_warmup_iters,
+                             decay_steps=decay_iters, decay_style=t.lr_decay_style)
+
+    return (f"lr_decay_iters follows train_iters: {before} -> {t.decay_iters}; the learning rate now decays to "
+            f"min_lr at {t.decay_iters} (at iteration {iteration} it is {lr(t.decay_iters):.3g}, where the old "
+            f"schedule had {lr(before):.3g}); set training.lr_decay_iters to keep a schedule fixed")
 
 
 def set_aside(save: Path) -> Optional[Path]:
