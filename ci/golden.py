@@ -299,9 +299,10 @@ def run_metrics(recipe: str, workdir: str | os.PathLike, overrides=()) -> tuple[
     """(metrics.jsonl of the recipe's run in `workdir`, the hash of what its losses depend on)."""
     from megatron_core import config, workflow
 
+    from megatron_core.config.hashing import losses_hash
+
     resolved = config.load_recipe(recipe, list(overrides or []))
-    # the train stage's hash: what the losses depend on (how the run is evaluated afterwards does not count)
-    return workflow.run_dir(resolved, workdir) / "metrics.jsonl", resolved.stage_hash("train")
+    return workflow.run_dir(resolved, workdir) / "metrics.jsonl", losses_hash(resolved.to_dict())
 
 
 def run(recipe: str, workdir: str | os.PathLike = "./work", update_golden: bool = False, metrics=None,

@@ -27,6 +27,7 @@ task = functools.partial(invoke_task, auto_shortflags=False)
 
 from megatron_core import config, workflow
 from megatron_core.errors import UserError
+from megatron_core.log import configure as configure_logging
 
 DEFAULT_RECIPE = "codeparrot-tiny"
 DEFAULT_WORKDIR = "./work"
@@ -42,6 +43,7 @@ def people_errors(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        configure_logging()  # the package's one logger (megatron_core.log), set up at the program's entry
         try:
             return fn(*args, **kwargs)
         except UserError as exc:
@@ -234,6 +236,10 @@ def train(_c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, nproc=0
     if load and not from_scratch:
         _check_load(Path(load))
     run = workflow.run_dir(r, workdir)
+    if not (load or from_scratch):
+        _check_not_past(r, run)
+    if load and not from_scratch:
+        _check_load_into(run / "checkpoints", Path(load))
     finished = None if (load or from_scratch) else _finished_run(r, run)
     if finished:  # a no-op: no checkpoint rewritten, no test records appended
         print(f"train: nothing to do: this run finished all {r.training.train_iters} iterations ({finished}); "
@@ -275,6 +281,29 @@ def _check_load(load: Path) -> None:
     hint = f"; did you mean --load {inner}?" if inner.is_dir() else " (or add --from-scratch to start from iteration 0)"
     raise UserError(f"--load {load} holds no checkpoint (no latest_checkpointed_iteration.txt, no iter_* or "
                     f"release directory){hint}")
+
+
+def _check_load_into(own: Path, load: Path) -> None:
+    """--load from elsewhere starts a run from other weights: its saves must not land beside the iterations
+    this recipe's run directory already holds (two runs' checkpoints mixed, a resume picking the wrong one)."""
+    from megatron_core.checkpoint_format import published_iterations
+
+    if own.resolve() != load.resolve() and own.is_dir() and published_iterations(own):
+        raise UserError(f"this recipe's run directory already holds checkpoints ({own}); --load {load} would save "
+                        "another run's iterations beside them: give the run another name (e.g. --set seed=...), "
+                        "or --from-scratch to set the existing ones aside")
+
+
+def _check_not_past(r: config.Recipe, run: Path) -> None:
+    """A lowered train_iters names the same run (it is resume-safe), whose checkpoints are already past it:
+    refuse rather than resume a run that has nothing left to train."""
+    from megatron_core.checkpoint_format import read_tracker_leniently
+
+    tracked, _ = read_tracker_leniently(run / "checkpoints")
+    if isinstance(tracked, int) and tracked > r.training.train_iters:
+        raise UserError(f"this run ({run}) has trained {tracked} iterations, past training.train_iters "
+                        f"{r.training.train_iters}: raise train_iters to extend it, convert it as it is, or add "
+                        "--from-scratch to train it again (its checkpoints are set aside)")
 
 
 def _finished_run(r: config.Recipe, run: Path):
@@ -338,6 +367,10 @@ def convert(_c, recipe=None, set_=None, workdir=DEFAULT_WORKDIR, load=None, iter
     if load is None or recipe is not None:
         r = _load(recipe or DEFAULT_RECIPE, set_)
         run = workflow.run_dir(r, workdir)
+        if load is None and not (run / "checkpoints").is_dir():  # --save is the output here: name --load
+            raise UserError(f"recipe {r.name} has no trained run in {run}: train it first (`megatron-recipes train "
+                            f"--recipe {r.name}` with the same --workdir and --set values; train_iters and the "
+                            "intervals may differ), or give the checkpoints with --load CKPT_DIR")
         if load is None and vocab is None:
             vocab, merges = workflow.tokenizer_files(r, workdir)
     else:  # a checkpoint directory is converted as itself: its own recipe, not the default one

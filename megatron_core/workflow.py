@@ -20,6 +20,9 @@ from typing import Callable, Optional
 from megatron_core.config import Recipe
 from megatron_core.data.hub import hub_commit
 from megatron_core.errors import UserError
+from megatron_core.log import get_logger
+
+_LOG = get_logger(__name__, tag="workflow")
 
 MANIFEST = "manifest.json"
 # Steps ask for their inputs again (data -> tokenizer -> corpus, and corpus once more): within one outer
@@ -28,7 +31,7 @@ _reported: Optional[set] = None
 
 
 def log(message: str) -> None:
-    print(f"[workflow] {message}", flush=True)
+    _LOG.info(message)
 
 
 @dataclass
@@ -317,7 +320,8 @@ def ensure_training_inputs(recipe: Recipe, workdir) -> None:
 
 
 def run_dir(recipe: Recipe, workdir) -> Path:
-    """Named by the train stage's hash: a change of how the run is evaluated keeps the run."""
+    """Named by the train stage's hash, which leaves out how long and how visibly a run trains: a raised
+    train_iters continues (and convert/evaluate find) the same run."""
     return recipe_root(recipe, workdir) / "runs" / recipe.stage_hash("train")
 
 

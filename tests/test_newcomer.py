@@ -245,8 +245,9 @@ def test_the_converted_model_knows_its_context_window(smoke_run, capsys):
 @pytest.mark.slow
 def test_a_pipeline_whose_training_is_stopped_converts_and_evaluates_nothing(smoke_run):
     workdir, _, _ = smoke_run
+    # a run of its own (seed): a raised train_iters alone would extend smoke_run's finished run in place
     long = ["training.train_iters=100000", "training.save_interval=null", "training.log_interval=1",
-            "training.eval_interval=100000"]
+            "training.eval_interval=100000", "training.seed=2"]
     run = workflow.run_dir(load_recipe("smoke", long), workdir)
     proc = subprocess.Popen([sys.executable, "-m", "invoke", "pipeline", "--recipe", "smoke", "--workdir", str(workdir),
                              *[a for item in long for a in ("--set", item)]], cwd=ROOT, stdout=subprocess.PIPE,

@@ -110,8 +110,12 @@ def test_training_continues_from_an_imported_hf_model(smoke_pipeline, tmp_path):
     workdir, run, _ = smoke_pipeline
     ckpt = tmp_path / "imported"
     assert invoke("import-hf", "--model", str(run / "hf"), "--save", str(ckpt)).returncode == 0
+    # into the finished run's own directory it is refused: two runs' checkpoints would mix there
+    refused = invoke("train", "--recipe", "smoke", "--workdir", str(workdir), "--set", "train_iters=4",
+                     "--load", str(ckpt))
+    assert refused.returncode == 2 and "already holds checkpoints" in refused.stderr, refused.stderr[-1500:]
     proc = invoke("train", "--recipe", "smoke", "--workdir", str(workdir), "--set", "train_iters=4",
-                  "--set", "save_interval=null", "--load", str(ckpt))
+                  "--set", "save_interval=null", "--set", "seed=7", "--load", str(ckpt))
     assert proc.returncode == 0, proc.stdout[-1500:] + proc.stderr[-1500:]
     assert f"initialized the model from the weights in {ckpt / 'release'}" in proc.stdout + proc.stderr
     trained = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -183,17 +183,47 @@ def test_cli_reports_errors_for_people(tmp_path, capsys):
     assert "error: cannot train this recipe: training.lr must be > 0" in capsys.readouterr().err
 
 
+_RECORD = {"iteration": 10, "consumed_samples": 320, "elapsed_ms": 123.45, "tflops": 1.23, "lr": 3e-3,
+           "global_batch_size": 32, "lm_loss": 5.4321, "loss_scale": 1.0, "grad_norm": 0.75, "skipped": 0, "nan": 0}
+
+
 def test_megatron_log_line_format():
     from megatron_core.training.logging import megatron_train_line
 
-    line = megatron_train_line(iteration=10, train_iters=300, consumed_samples=320, elapsed_ms=123.45, tflops=1.23,
-                               lr=3e-3, global_batch_size=32, lm_loss=5.4321, loss_scale=1.0, grad_norm=0.75,
-                               skipped=0, nan=0)
+    line = megatron_train_line(_RECORD, train_iters=300)
     assert line.endswith("] iteration       10/     300 | consumed samples:          320 | elapsed time per "
                          "iteration (ms): 123.5 | throughput per GPU (TFLOP/s/GPU): 1.2 | learning rate: "
                          "3.000000E-03 | global batch size:    32 | lm loss: 5.432100E+00 | loss scale: 1.0 | "
                          "grad norm: 0.750 | number of skipped iterations:   0 | number of nan iterations:   0 |")
     assert line.startswith(" [20")
+    ours = megatron_train_line({**_RECORD, "tokens_per_s": 4823.4, "batch_generator_ms": 1.25, "mfu": 0.1234,
+                                "lm_loss": None, "grad_norm": None}, train_iters=300)
+    assert ours.endswith("| global batch size:    32 | loss scale: 1.0 | number of skipped iterations:   0 |"
+                         " number of nan iterations:   0 | tokens/s: 4823 | batch-generator: 1.2 ms | MFU: 12.3% |")
+
+
+def test_one_train_record_reaches_every_sink(tmp_path, capsys):
+    """A key added to the record (and no other change) reaches metrics.jsonl and TensorBoard; None and
+    non-finite values are left out of TensorBoard, null in metrics.jsonl; the printed line is the record's."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megatron_core.training.logging import RunLogger
+
+    logger = RunLogger(tmp_path, writer=True)
+    logger.train({**_RECORD, "grad_norm": None, "brand_new_metric": 2.5, "tflops": float("inf")}, train_iters=300)
+    logger.evaluation("valid", 10, 4.0)
+    logger.close()
+    assert "| lm loss: 5.432100E+00 | loss scale: 1.0 | number of skipped" in capsys.readouterr().out
+    train_record = read_metrics(tmp_path)[0]
+    assert train_record["brand_new_metric"] == 2.5 and train_record["grad_norm"] is None
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/brand_new_metric", "train/lm_loss", "train/lr", "train/global_batch_size", "train/nan",
+            "valid/lm_loss", "valid/ppl"} <= tags
+    assert not tags & {"train/grad_norm", "train/tflops", "train/iteration", "train/type"}
+    [point] = events.Scalars("train/brand_new_metric")
+    assert (point.step, point.value) == (10, 2.5)
 
 
 def test_compile_true_and_compiled_fusions_train_like_eager(corpus, tmp_path, capsys):

@@ -26,3 +26,24 @@ RESUME_SAFE_KEYS = frozenset(
     }
 )
 
+
+# The resume-safe keys that say how long and how visibly a run trains, not how it computes: the run directory's
+# name leaves them out, so `--set train_iters=2000` continues a finished 900-iteration run in place (Megatron's
+# way to extend a run) and `convert`/`evaluate` find it without that --set. Another layout, device or attention
+# backend stays a run of its own, side by side (`--load` continues one from another).
+RUN_EXTENDING_KEYS = frozenset(
+    {
+        "training.train_iters",
+        "training.lr_decay_iters",
+        "training.log_interval",
+        "training.save_interval",
+        "training.keep_last_checkpoints",
+        "training.max_consecutive_nan_steps",
+        "training.eval_interval",
+        "training.eval_iters",
+        "description",
+        "hardware",
+        "version",
+        "evaluate",
+    }
+)

@@ -15,6 +15,7 @@ from typing import Any, Literal, Optional
 import yaml
 
 from megatron_core.config.hashing import canonical_hash, stage_hash
+from megatron_core.config.resume import RUN_EXTENDING_KEYS
 
 
 @dataclass
@@ -278,7 +279,7 @@ class Recipe:
 
     def stage_hash(self, stage: str) -> str:
         """Hash of exactly what a pipeline stage's output depends on (see hashing.stage_hash)."""
-        return stage_hash(self.to_dict(), stage)
+        return stage_hash(self.to_dict(), stage, run_extending=RUN_EXTENDING_KEYS)
 
     def diff(self, other: dict) -> list[str]:
         """Dotted keys whose values differ between this recipe and a resolved recipe dict. A key the

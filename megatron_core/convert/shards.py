@@ -114,7 +114,7 @@ def resolve_iteration_dir(load_dir: Union[str, Path], iteration=None) -> tuple[P
     """`iteration` None/'latest' reads the tracker file; 'release' or an int names the folder."""
     load_dir = Path(load_dir)
     if not load_dir.is_dir():
-        raise UserError(f"checkpoint directory {load_dir} does not exist; pass the --save dir of a training run")
+        raise UserError(f"checkpoint directory {load_dir} does not exist; give --load a run's checkpoints")
     if iteration is None or iteration == "latest":
         iteration = read_tracker(load_dir)  # the one tracker reader (it names a malformed file)
         if iteration is None:

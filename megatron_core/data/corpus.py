@@ -19,7 +19,6 @@ import json
 import os
 import platform
 import random
-import sys
 import sysconfig
 from pathlib import Path
 from typing import Iterator, Optional
@@ -27,13 +26,12 @@ from typing import Iterator, Optional
 from megatron_core.data.hub import hub_commit
 from megatron_core.errors import UserError
 from megatron_core.files import replace_atomically
+from megatron_core.log import get_logger
+
+_LOG = get_logger(__name__, tag="corpus", stderr=True)
 
 SOURCE_TYPES = ("python-stdlib", "jsonl", "hf-dataset")
 _EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
-
-
-def _log(message: str) -> None:
-    print(f"[corpus] {message}", file=sys.stderr, flush=True)
 
 
 def _stdlib_documents(source: dict) -> Iterator[dict]:
@@ -117,7 +115,7 @@ def _hf_documents(source: dict) -> Iterator[dict]:
                 raise UserError(f"corpus source hf-dataset {name}: pin a 'revision' (commit sha or tag) "
                                 "for a reproducible corpus")
             revision = hub_commit(name, revision, "dataset")  # what a branch or tag points at now, recorded
-            _log(f"hf-dataset {name}@{source.get('revision')} resolved to commit {revision}")
+            _LOG.info(f"hf-dataset {name}@{source.get('revision')} resolved to commit {revision}")
             ds = datasets.load_dataset(name, revision=revision, split=split, streaming=True)
     except UserError:
         raise
@@ -177,5 +175,5 @@ def build_corpus(sources: list, out_path, max_documents: Optional[int] = None, m
                "resolved_revisions": resolved}
     if any(source.get("type") == "python-stdlib" for source in sources):
         summary["python"] = platform.python_version()  # the standard library it read is this Python's
-    _log(f"{documents} documents, {content_bytes / 1e6:.1f} MB of content -> {out_path}")
+    _LOG.info(f"{documents} documents, {content_bytes / 1e6:.1f} MB of content -> {out_path}")
     return summary

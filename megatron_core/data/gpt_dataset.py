@@ -37,6 +37,9 @@ from megatron_core import parallel_state
 from megatron_core.data import blending
 from megatron_core.errors import UserError
 from megatron_core.files import replace_atomically
+from megatron_core.log import get_logger
+
+_LOG = get_logger(__name__, tag="gpt_dataset")
 
 SPLIT_NAMES = ("train", "valid", "test")
 
@@ -55,7 +58,7 @@ class GPTDatasetError(UserError):
 def log(message: str) -> None:
     """Progress lines, printed once (rank 0) when torch.distributed runs."""
     if _rank() == 0:
-        print(f"[gpt_dataset] {message}", flush=True)
+        _LOG.info(message)
 
 
 def _rank() -> int:

@@ -32,12 +32,12 @@ import numpy as np
 from megatron_core.data.indexed_dataset import IMPLS, IndexedDatasetBuilder, best_token_dtype
 from megatron_core.data.tokenizer import ENGINES, GPT2BPETokenizer
 from megatron_core.errors import UserError
+from megatron_core.log import configure, get_logger
+
+# By name, not __name__: under `python -m` this module is __main__, outside the package logger.
+_LOG = get_logger("megatron_core.data.preprocess", stderr=True)
 
 CHUNK_BYTES = 1 << 20  # small enough that the last chunks keep every worker busy to the end
-
-
-def _log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -278,7 +278,7 @@ class _Progress:
         self.bytes += nbytes
         self.tokens += ntokens
         if self.documents % self.interval == 0:
-            _log(self.line())
+            _LOG.info(self.line())
 
     def line(self) -> str:
         s = max(time.perf_counter() - self.start, 1e-9)
@@ -310,7 +310,7 @@ def preprocess(args: argparse.Namespace) -> dict:
         from megatron_core.data import sentence_split
 
         punkt_params = sentence_split.train_punkt(_iter_texts(files, args.json_keys))
-        _log("sentence splitter: punkt trained on the first 4 MB of the input (no download)")
+        _LOG.info("sentence splitter: punkt trained on the first 4 MB of the input (no download)")
     level = "sentence" if args.split_sentences else "document"
     Path(args.output_prefix).parent.mkdir(parents=True, exist_ok=True)
     prefixes = {key: f"{args.output_prefix}_{key}_{level}" for key in args.json_keys}
@@ -364,7 +364,7 @@ def preprocess(args: argparse.Namespace) -> dict:
             pool.join()
     seconds = time.perf_counter() - progress.start
     cpu = _cpu_seconds() - cpu_start
-    _log(progress.line())
+    _LOG.info(progress.line())
     summary = {
         "documents": progress.documents,
         "empty_documents_kept": empty,
@@ -386,7 +386,7 @@ def preprocess(args: argparse.Namespace) -> dict:
         "dataset_impl": args.dataset_impl,
         "outputs": prefixes,
     }
-    _log(
+    _LOG.info(
         f"done: {summary['documents']} documents ({sum(empty.values())} empty kept as zero-sequence documents, "
         f"{bad_lines} bad lines skipped), {summary['tokens']} tokens in {summary['seconds']} s "
         f"({summary['mb_per_s']} MB/s) -> {', '.join(prefixes.values())}"
@@ -395,6 +395,7 @@ def preprocess(args: argparse.Namespace) -> dict:
 
 
 def main(argv=None) -> int:
+    configure()
     args = build_parser().parse_args(argv)
     try:
         preprocess(args)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 from collections import Counter
 from functools import lru_cache
 from pathlib import Path
@@ -29,15 +28,14 @@ import numpy as np
 
 from megatron_core.errors import UserError
 from megatron_core.files import replace_atomically
+from megatron_core.log import get_logger
+
+_LOG = get_logger(__name__, tag="tokenizer", stderr=True)
 
 EOD_TOKEN = "<|endoftext|>"
 # GPT-2's pre-tokenizer regex (the one Megatron's GPT2Tokenizer and HF's ByteLevel use).
 GPT2_SPLIT_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 ENGINES = ("auto", "tiktoken", "hf")
-
-
-def _log(message: str) -> None:
-    print(f"[tokenizer] {message}", file=sys.stderr, flush=True)
 
 
 @lru_cache(maxsize=1)
@@ -235,7 +233,7 @@ class GPT2BPETokenizer:
             self.engine, why = _HFEngine(self.vocab, merges), f"tiktoken cannot represent these files: {exc}"
         self.eod: int = self.vocab[EOD_TOKEN]
         if not quiet:
-            _log(f"GPT2BPETokenizer: vocab {self.vocab_size}, engine {self.engine.name} ({why})")
+            _LOG.info(f"GPT2BPETokenizer: vocab {self.vocab_size}, engine {self.engine.name} ({why})")
 
     @property
     def vocab_size(self) -> int:
@@ -280,7 +278,7 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, out_dir, min_freq
             seen += 1
             yield text
 
-    _log(f"training byte-level BPE: vocab_size {vocab_size}, min_frequency {min_frequency}")
+    _LOG.info(f"training byte-level BPE: vocab_size {vocab_size}, min_frequency {min_frequency}")
     tokenizer.train_from_iterator(counted(), trainer)
     if seen == 0:
         raise UserError("no texts to train the tokenizer on; the corpus is empty")
@@ -294,5 +292,5 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, out_dir, min_freq
     merges_text = "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges)
     replace_atomically(vocab_path, lambda tmp: tmp.write_text(vocab_text, encoding="utf-8"))
     replace_atomically(merges_path, lambda tmp: tmp.write_text(merges_text, encoding="utf-8"))
-    _log(f"trained on {seen} texts: {len(vocab)} tokens, {len(merges)} merges -> {out_dir}")
+    _LOG.info(f"trained on {seen} texts: {len(vocab)} tokens, {len(merges)} merges -> {out_dir}")
     return vocab_path, merges_path

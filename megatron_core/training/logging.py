@@ -11,34 +11,42 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Mapping, Optional
 
 from megatron_core.files import replace_atomically
+from megatron_core.log import get_logger
 
 METRICS_FILENAME = "metrics.jsonl"
 LOSS_CURVE_FILENAME = "loss_curve.png"
 SUMMARY_FILENAME = "summary.json"
+# Only the writer rank logs (RunLogger), so its lines stay bare, as Megatron prints them.
+_LOG = get_logger("megatron_core.training.logging", rank_prefix=False)  # by name: also run as __main__
 
 
-def log(message: str) -> None:
-    print(message, flush=True)
-
-
-def megatron_train_line(*, iteration: int, train_iters: int, consumed_samples: int, elapsed_ms: float,
-                        tflops: float, lr: float, global_batch_size: int, lm_loss: Optional[float], loss_scale: float,
-                        grad_norm: Optional[float], skipped: int, nan: int, extra: str = "") -> str:
-    """Megatron's training_log line (docs/metrics-and-flops.md), one line. `lm loss` is left out when no
-    iteration of the interval stepped (lm_loss None), as Megatron does; `grad norm` when there is none."""
+def megatron_train_line(record: Mapping[str, Any], *, train_iters: int) -> str:
+    """Megatron's training_log line (docs/metrics-and-flops.md), one line, formatted from the train record
+    that metrics.jsonl and TensorBoard get. `lm loss` is left out when no iteration of the interval stepped
+    (lm_loss None), as Megatron does; `grad norm` when there is none; our fields after Megatron's
+    (tokens/s, batch-generator, MFU) only when the record has them."""
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    lm_loss, grad_norm, tflops = record.get("lm_loss"), record.get("grad_norm"), record["tflops"]
     loss = f" lm loss: {lm_loss:.6E} |" if lm_loss is not None else ""
     norm = f" grad norm: {grad_norm:.3f} |" if grad_norm is not None else ""
     # Megatron's one decimal, but a CPU's few GFLOP/s keep three significant digits instead of reading 0.0
     tflops_text = f"{tflops:.1f}" if tflops >= 1 else f"{tflops:.3g}"
-    return (f" [{stamp}] iteration {iteration:8d}/{train_iters:8d} | consumed samples: {consumed_samples:12d} |"
-            f" elapsed time per iteration (ms): {elapsed_ms:.1f} | throughput per GPU (TFLOP/s/GPU): {tflops_text} |"
-            f" learning rate: {lr:.6E} | global batch size: {global_batch_size:5d} |{loss}"
-            f" loss scale: {loss_scale:.1f} |{norm} number of skipped iterations: {skipped:3d} |"
-            f" number of nan iterations: {nan:3d} |{extra}")
+    extra = "".join(text.format(record[key]) for key, text in _OUR_FIELDS if record.get(key) is not None)
+    return (f" [{stamp}] iteration {record['iteration']:8d}/{train_iters:8d} | consumed samples:"
+            f" {record['consumed_samples']:12d} | elapsed time per iteration (ms): {record['elapsed_ms']:.1f} |"
+            f" throughput per GPU (TFLOP/s/GPU): {tflops_text} | learning rate: {record['lr']:.6E} |"
+            f" global batch size: {record['global_batch_size']:5d} |{loss} loss scale: {record['loss_scale']:.1f} |"
+            f"{norm} number of skipped iterations: {record['skipped']:3d} |"
+            f" number of nan iterations: {record['nan']:3d} |{extra}")
+
+
+# The record's keys that the line shows after Megatron's own fields (in this order); every other key
+# reaches metrics.jsonl and TensorBoard only.
+_OUR_FIELDS = (("tokens_per_s", " tokens/s: {:.0f} |"), ("batch_generator_ms", " batch-generator: {:.1f} ms |"),
+               ("mfu", " MFU: {:.1%} |"))
 
 
 def megatron_eval_line(kind: str, iteration: int, loss: float, ppl: float) -> str:
@@ -83,7 +91,7 @@ class RunLogger:
 
     def info(self, message: str) -> None:
         if self.writer:
-            log(message)
+            _LOG.info(message)
 
     def truncate_after(self, iteration: int) -> None:
         """On resume: drop metrics of iterations after the checkpoint (they are trained again)."""
@@ -97,17 +105,25 @@ class RunLogger:
         with open(self.metrics_path, "a") as handle:
             handle.write(strict_json(record) + "\n")
 
-    def train(self, record: dict, line: str) -> None:
+    def train(self, record: dict, *, train_iters: int) -> None:
+        """One train record to every sink: the Megatron line, metrics.jsonl, TensorBoard."""
         if not self.writer:
             return
-        log(line)
+        _LOG.info(megatron_train_line(record, train_iters=train_iters))
         self._append({"type": "train", **record})
-        if self._tb is not None:
-            it = record["iteration"]
-            for key in ("lm_loss", "lr", "grad_norm", "loss_scale", "tokens_per_s", "tflops", "mfu"):
-                if finite_or_none(record.get(key)) is not None:
-                    self._tb.add_scalar(f"train/{key}", record[key], it)
-            self._tb.flush()
+        self._scalars("train", record)
+
+    def _scalars(self, kind: str, record: Mapping[str, Any]) -> None:
+        """Every numeric value of the record as TensorBoard tag `kind/key` at its iteration (no allow-list:
+        a new key shows up by itself); None and NaN/inf are no point to draw and are left out."""
+        if self._tb is None:
+            return
+        for key, value in record.items():
+            if key in ("type", "iteration") or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            if finite_or_none(float(value)) is not None:
+                self._tb.add_scalar(f"{kind}/{key}", value, record["iteration"])
+        self._tb.flush()
 
     def evaluation(self, kind: str, iteration: int, loss: float) -> dict:
         """The eval line (a NaN loss prints as nan, with a nan PPL) and its record (null for non-finite)."""
@@ -115,12 +131,9 @@ class RunLogger:
         record = {"type": kind, "iteration": iteration, "lm_loss": finite_or_none(loss), "ppl": finite_or_none(ppl)}
         if self.writer:
             bar = "-" * 100
-            log(f"{bar}\n{megatron_eval_line(kind, iteration, loss, ppl)}\n{bar}")
+            _LOG.info(f"{bar}\n{megatron_eval_line(kind, iteration, loss, ppl)}\n{bar}")
             self._append(record)
-            if self._tb is not None and record["lm_loss"] is not None:
-                self._tb.add_scalar(f"{kind}/lm_loss", loss, iteration)
-                self._tb.add_scalar(f"{kind}/ppl", ppl, iteration)
-                self._tb.flush()
+            self._scalars(kind, record)
         return record
 
     def close(self) -> None:

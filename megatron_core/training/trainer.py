@@ -26,7 +26,6 @@ from megatron_core.training.data_iterators import batch_iterator
 from megatron_core.training.logging import (
     RunLogger,
     finite_or_none,
-    megatron_train_line,
     strict_json,
     write_loss_curve,
     write_summary,
@@ -122,6 +121,9 @@ class Trainer:
         changed = ckpt.check_recipe_compatible(self.recipe, state["recipe"], state["recipe_hash"], self.load_dir)
         if changed:
             self.logger.info(f"resuming with changed resume-safe keys: {', '.join(changed)}")
+        schedule_note = ckpt.lr_schedule_note(self.recipe, state["recipe"], iteration)
+        if schedule_note:
+            self.logger.info(schedule_note)
         saved_tp = getattr(state["args"], "tensor_model_parallel_size", None)
         tp = ps.get_tensor_model_parallel_world_size()
         if saved_tp not in (None, tp):
@@ -309,21 +311,17 @@ class Trainer:
                                              max(self.recipe.parallel.world_size, 1))
         tokens_per_s = t.global_batch_size * self.recipe.model.seq_length / per_iter
         mfu = flops_lib.mfu(tflops, self.peak_tflops)
+        # The one record of this interval: the log line, metrics.jsonl and TensorBoard are all made from it,
+        # so a new metric is one entry here.
         record = {"iteration": s.iteration, "consumed_samples": s.consumed_train_samples, "lm_loss": loss, "lr": lr,
-                  "grad_norm": grad_norm, "loss_scale": self.optimizer.loss_scale, "elapsed_ms": per_iter * 1000.0,
+                  "global_batch_size": t.global_batch_size, "grad_norm": grad_norm,
+                  "loss_scale": self.optimizer.loss_scale, "elapsed_ms": per_iter * 1000.0,
                   "tokens_per_s": tokens_per_s, "tflops": tflops, "skipped": skipped_now, "nan": nan_now,
                   "batch_generator_ms": data_wait_s * 1000.0 / max(s.interval_iterations, 1),
                   "batch_generator_share": data_wait_s / elapsed if elapsed > 0 else 0.0}
         if mfu is not None:
             record["mfu"] = mfu
-        extra = (f" tokens/s: {tokens_per_s:.0f} | batch-generator: {record['batch_generator_ms']:.1f} ms |"
-                 + (f" MFU: {100 * mfu:.1f}% |" if mfu is not None else ""))
-        line = megatron_train_line(iteration=s.iteration, train_iters=t.train_iters,
-                                   consumed_samples=s.consumed_train_samples, elapsed_ms=per_iter * 1000.0,
-                                   tflops=tflops, lr=lr, global_batch_size=t.global_batch_size, lm_loss=loss,
-                                   loss_scale=self.optimizer.loss_scale, grad_norm=grad_norm,
-                                   skipped=skipped_now, nan=nan_now, extra=extra)
-        self.logger.train(record, line)
+        self.logger.train(record, train_iters=t.train_iters)
 
     # -- the loop ------------------------------------------------------------------------------
     def fit(self) -> dict:
