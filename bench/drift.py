@@ -63,11 +63,9 @@ def forward_losses(setup: Setup, recipe: config.Recipe, state: dict, batches: li
     """Each micro batch's loss under `recipe`'s fusions, with the weights `state`, forward only (the model
     alone: no optimizer, trainer or batch reader)."""
     from megatron_core import pretrain_gpt as train_lib
-    from megatron_core.fusions import resolve_backends
     from megatron_core.training.trainer import gpt_forward_step
 
-    t = recipe.training
-    fusions = resolve_backends(t.fusions, t.fusion_overrides, setup.device, setup.param_dtype)
+    fusions = train_lib.resolve_run_backends(recipe, setup.device, setup.param_dtype)
     model = train_lib.build_model(recipe, setup.padded_vocab, setup.device, setup.param_dtype, fusions)
     model.load_state_dict(state)
     losses = []

@@ -148,7 +148,7 @@ def build_ours(setup: Setup, recipe: Optional[config.Recipe] = None):
 
     recipe = setup.recipe if recipe is None else recipe
     train_lib.seed_everything(recipe.training.seed, setup.device.type)
-    fusions, model, inner, optimizer = train_lib.build_model_and_optimizer(recipe, setup.padded_vocab, setup.device)
+    _, model, inner, optimizer = train_lib.build_model_and_optimizer(recipe, setup.padded_vocab, setup.device)
     run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=setup.scratch.name))
     trainer = Trainer(recipe, model, (setup.train_ds, None, None), setup.padded_vocab, run_dir, optimizer=optimizer,
                       device=setup.device, save=None, load=None, logger=RunLogger(run_dir, writer=False),
@@ -161,7 +161,7 @@ def build_ours(setup: Setup, recipe: Optional[config.Recipe] = None):
         loss, ok, _ = trainer.train_step(batches)
         return loss if ok else float("nan")
 
-    description = {"backends": f"{fusions.describe()}; {optimizer.description}; model: {inner.describe_backends()}; "
+    description = {"backends": f"{inner.describe_backends()}; {optimizer.description}; "
                                f"training.compile: {recipe.training.compile}",
                    "precision_regime": train_lib.precision_regime(recipe),
                    "grad_buffer_mb": model.grad_sync.grad_buffer_bytes / 2**20}

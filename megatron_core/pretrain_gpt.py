@@ -23,6 +23,7 @@ import torch
 from megatron_core import parallel_state as ps
 from megatron_core.config import Recipe, load_recipe
 from megatron_core.errors import UserError
+from megatron_core.log import configure as configure_logging
 
 DEFAULT_WORKDIR = "work"
 
@@ -162,6 +163,15 @@ def build_datasets(recipe: Recipe, data_prefix, cache_dir: Path, vocab_size: Opt
                               cache_dir=str(cache_dir), vocab_size=vocab_size)
 
 
+def resolve_run_backends(recipe: Recipe, device: torch.device, dtype: torch.dtype):
+    """The run's kernels, attention and every fusion, from the recipe's keys (fusions/backends.py)."""
+    from megatron_core.fusions import resolve_backends
+
+    t = recipe.training
+    return resolve_backends(t.fusions, t.fusion_overrides, device, dtype, attention=recipe.model.attention_backend,
+                            compile=t.compile)
+
+
 def build_model(recipe: Recipe, padded_vocab_size: int, device: torch.device, dtype: torch.dtype, fusions):
     from megatron_core.models.gpt import build_gpt_model, compile_layers
 
@@ -180,14 +190,13 @@ def build_model_and_optimizer(recipe: Recipe, padded_vocab_size: int, device: to
     """(fusion backends, the model to train (DDP-wrapped when DP > 1), the bare GPTModel, optimizer):
     what train() runs and what bench/train.py times, built one way."""
     from megatron_core.distributed import DistributedDataParallel
-    from megatron_core.fusions import resolve_backends
     from megatron_core.fusions.apex import fused_adam_class, fused_adam_problem
     from megatron_core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
     from megatron_core.optimizer.optimizer import AdamSettings, MegatronOptimizer
 
     p, t = recipe.parallel, recipe.training
     precision, dtype = precision_of(recipe)
-    fusions = resolve_backends(t.fusions, t.fusion_overrides, device, dtype)
+    fusions = resolve_run_backends(recipe, device, dtype)
     model = build_model(recipe, padded_vocab_size, device, dtype, fusions)
     inner_model = model
     fused_adam = None  # training.optimizer adam: torch's AdamW
@@ -312,8 +321,7 @@ def train(recipe: Recipe, run_dir, data_prefix, tokenizer_files=None, load=None,
         logger.info(precision_regime(recipe))
         logger.info(f"optimizer: {optimizer.description} (apex FusedAdam importable: "
                     f"{bool(apex.get('apex.optimizers.FusedAdam') and apex.get('amp_C'))})")
-        logger.info(f"{fusions.describe()}")
-        logger.info(f"model: {inner_model.describe_backends()}; compile: {t.compile}")
+        logger.info(f"{inner_model.describe_backends()}; compile: {t.compile}")
         logger.info(f"lr: {t.lr_decay_style} from {t.lr} to {t.min_lr}, warmup {t.lr_warmup_iters}, "
                     f"decay iters {t.decay_iters}; clip_grad {t.clip_grad}; weight decay {t.weight_decay}")
         logger.info(f"run directory: {run_dir}; checkpoints: save {save}, load {load}")
@@ -349,6 +357,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    configure_logging()
     args = parse_args(argv)
     try:
         recipe = load_recipe(args.recipe, args.overrides)

@@ -7,9 +7,10 @@ from torch.testing import assert_close
 
 from megatron_core.config import ModelConfig, ParallelConfig
 from megatron_core.errors import UserError
-from megatron_core.fusions import causal_attention
+from megatron_core.fusions import backends, causal_attention, resolve_backends
 from megatron_core.fusions.causal_attention import BLOCK_ROWS, block_rows, blocked_causal_attention
 from megatron_core.models import GPTModel
+from megatron_core.models.gpt import compile_layers
 
 VOCAB = 64
 
@@ -139,11 +140,11 @@ def test_auto_keeps_sdpa_while_attention_dropout_is_drawn():
     model = _model("auto", attention_dropout=0.1)
     attention = model.encoder.layers[0].self_attention
     qkv = torch.randn(8, 1, 3 * 32)
-    assert not attention.runs_blocked(qkv)  # training: the kernel has no dropout
+    assert attention.kernel(qkv) == "sdpa"  # training: the kernel has no dropout
     model.eval()
-    assert attention.runs_blocked(qkv)  # evaluation draws none
-    assert attention.runs_blocked(qkv.to(torch.bfloat16))
-    assert not attention.runs_blocked(qkv.to(torch.float16))  # SDPA's
+    assert attention.kernel(qkv) == "blocked"  # evaluation draws none
+    assert attention.kernel(qkv.to(torch.bfloat16)) == "blocked"
+    assert attention.kernel(qkv.to(torch.float16)) == "sdpa"  # SDPA's
 
 
 def test_selective_recompute_of_the_blocked_kernel_gives_the_same_gradients():
@@ -163,3 +164,29 @@ def test_blocked_refuses_to_train_with_attention_dropout_it_does_not_have():
         model(ids, pos, labels)
     model.eval()
     model(ids, pos, labels)  # evaluation draws no dropout
+
+
+def test_the_registry_resolves_attention_once_per_run():
+    """`auto` settles from the run's facts in resolve_backends; the model reads the choice, and refuses
+    backends resolved for another attention_backend."""
+    fp32 = resolve_backends("torch", device="cpu", dtype=torch.float32)
+    assert (fp32.attention, fp32.attention_with_dropout) == ("blocked", "sdpa")
+    for facts in (dict(device="cpu", dtype=torch.float16), dict(device="cuda", dtype=torch.float32),
+                  dict(device="cpu", dtype=torch.float32, compile=True)):
+        chosen = resolve_backends("torch", **facts)
+        assert (chosen.attention, chosen.attention_with_dropout) == ("sdpa", "sdpa"), facts
+    unfused = resolve_backends("torch", device="cpu", dtype=torch.float32, attention="unfused")
+    assert (unfused.attention, unfused.attention_with_dropout) == ("unfused", "unfused")
+    assert "attention=unfused, layer_norm=torch" in unfused.describe()
+    with pytest.raises(UserError, match="attention_backend: 'flash' is not one of auto, sdpa, unfused, blocked"):
+        resolve_backends("torch", attention="flash")
+    assert set(backends._AUTO_BLOCKED_DTYPES) == set(causal_attention.SUPPORTED_DTYPES)
+
+    cfg = _model("auto", attention_dropout=0.1).config
+    compiled = resolve_backends("torch", device="cpu", dtype=torch.float32, compile=True)
+    model = GPTModel(cfg, ParallelConfig(), VOCAB, fusions=compiled, init_seed=1234).eval()
+    assert model.encoder.layers[0].self_attention.kernel(torch.randn(8, 1, 3 * 32)) == "sdpa"  # not blocked
+    with pytest.raises(ValueError, match="resolved for attention_backend 'unfused' but the model asks for 'auto'"):
+        GPTModel(cfg, ParallelConfig(), VOCAB, fusions=unfused, init_seed=1234)
+    with pytest.raises(ValueError, match="pass compile=True to resolve_backends"):  # blocked cannot be traced
+        compile_layers(GPTModel(cfg, ParallelConfig(), VOCAB, fusions=fp32, init_seed=1234))

@@ -27,15 +27,16 @@ CONFIG = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_le
 
 
 @pytest.fixture
-def eager_masks(monkeypatch):
-    """Inductor draws the default generator's dropout through aten, as eager does (its own RNG otherwise)."""
+def eager_masks():
+    """Inductor draws the default generator's dropout through aten, as eager does (its own RNG otherwise).
+    Through the config's own patch(): monkeypatch's undo deletes a config entry, breaking later compiles."""
     import torch._inductor.config as inductor_config
 
-    monkeypatch.setattr(inductor_config, "fallback_random", True)
-    monkeypatch.setattr(inductor_config, "compile_threads", 1)  # no worker pool to start for one small graph
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+    # compile_threads 1: no worker pool to start for one small graph
+    with inductor_config.patch(fallback_random=True, compile_threads=1):
+        torch._dynamo.reset()
+        yield
+        torch._dynamo.reset()
 
 
 def _train(parallel: ParallelConfig, compiled: bool) -> tuple[list, list[str]]:

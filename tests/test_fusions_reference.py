@@ -23,6 +23,7 @@ from megatron_core.fusions import (
     resolve_backends,
     scaled_causal_softmax,
 )
+from megatron_core.fusions.backends import FUSION_NAMES
 
 
 def test_layer_norm_reference_is_f_layer_norm_math():
@@ -170,12 +171,14 @@ def test_cross_entropy_inplace_reuses_the_logits_and_gives_the_same_loss_and_gra
 
 def test_resolve_backends_on_cpu_and_overrides():
     auto = resolve_backends("auto", device="cpu")
-    assert auto == FusionBackends(device="cpu")
-    assert auto.describe() == ("fusions on cpu: layer_norm=torch, bias_gelu=torch, bias_dropout_add=torch, "
-                               "softmax=torch, cross_entropy=torch")
+    assert auto == FusionBackends(device="cpu", attention_with_dropout="sdpa")
+    assert auto.describe() == ("backends on cpu: attention=auto (per call: blocked on a CPU in fp32/fp64/bf16 unless "
+                               "training draws attention dropout, else sdpa), layer_norm=torch, bias_gelu=torch, "
+                               "bias_dropout_add=torch, softmax=torch, cross_entropy=torch")
     assert resolve_backends("torch", {"softmax": "auto"}, device=torch.device("cpu")).softmax == "torch"
     # "compile" serves the fusions it has and leaves the others to auto, as "apex" does
-    assert resolve_backends("compile", device="cpu") == FusionBackends(bias_gelu="compile", device="cpu")
+    assert resolve_backends("compile", device="cpu") == FusionBackends(bias_gelu="compile", device="cpu",
+                                                                       attention_with_dropout="sdpa")
     assert resolve_backends("auto", {"bias_gelu": "compile"}, device="cpu").bias_gelu == "compile"
 
 
@@ -185,7 +188,8 @@ def test_auto_compiles_bias_gelu_for_training_dtypes_on_a_cpu(monkeypatch):
     from megatron_core.fusions import backends
 
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        assert resolve_backends("auto", device="cpu", dtype=dtype) == FusionBackends(bias_gelu="compile", device="cpu")
+        chosen = resolve_backends("auto", device="cpu", dtype=dtype)
+        assert [getattr(chosen, name) for name in FUSION_NAMES] == ["torch", "compile", "torch", "torch", "torch"]
     for dtype in (torch.float64, None):
         assert resolve_backends("auto", device="cpu", dtype=dtype).bias_gelu == "torch"
     assert resolve_backends("torch", device="cpu", dtype=torch.bfloat16).bias_gelu == "torch"  # asked for
@@ -275,7 +279,8 @@ def test_fusions_triton_gives_the_fusions_without_a_kernel_the_best_other_backen
     monkeypatch.setattr(backends, "apex_problem", lambda _: None if apex_runs else "Apex is not usable")
     chosen = resolve_backends("triton", device="cuda")
     assert chosen == FusionBackends(layer_norm="apex" if apex_runs else "torch", softmax="triton",
-                                    cross_entropy="triton", device="cuda", note=chosen.note)
+                                    cross_entropy="triton", device="cuda", note=chosen.note, attention="sdpa",
+                                    attention_with_dropout="sdpa")
     assert chosen.describe().endswith(
         "(triton has no kernel for layer_norm, bias_gelu, bias_dropout_add: they run the best other backend)")
 

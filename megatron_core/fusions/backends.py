@@ -1,4 +1,12 @@
-"""Which implementation runs each fusion: chosen once, checked, and described for the start-up log.
+"""Which implementation runs attention and each fusion: chosen once, checked, and described for the start-up log.
+
+Attention (the recipe's `model.attention_backend`): "sdpa" (F.scaled_dot_product_attention), "unfused"
+(explicit softmax(QK^T)V through the softmax fusion), "blocked" (our CPU kernel, fusions/causal_attention.py,
+without attention dropout) or "auto": the blocked kernel on a CPU in fp32/fp64/bf16 (_AUTO_BLOCKED_DTYPES)
+outside a compiled graph while no attention dropout is drawn, SDPA otherwise. resolve_backends settles it
+for the run twice over: for calls that draw no attention dropout and for training calls that do. A registry
+built without a run's facts (FusionBackends(), or `unresolved_attention`) keeps "auto" and settles it per
+call from the activations (`FusionBackends.attention_kernel`).
 
 Backends: "triton" (our @triton.jit kernels: softmax and cross entropy only), "apex" (NVIDIA Apex, LayerNorm
 only), "compile" (the torch backend's own formulas through torch.compile, as Megatron's ``jit_fuser`` does:
@@ -29,6 +37,10 @@ import torch
 from megatron_core.errors import UserError
 from megatron_core.fusions.apex import apex_status
 
+ATTENTION_CHOICES = ("auto", "sdpa", "unfused", "blocked")
+# The dtypes "auto" runs the blocked kernel in (those it has: causal_attention.SUPPORTED_DTYPES). Swapping
+# the CPU attention kernel is this line and fusions/causal_attention.py.
+_AUTO_BLOCKED_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 FUSION_NAMES = ("layer_norm", "bias_gelu", "bias_dropout_add", "softmax", "cross_entropy")
 BACKEND_NAMES = ("triton", "apex", "compile", "torch")
 # Only Triton kernels that beat PyTorch on the GPU ship (bench/results/kernels-20261204-155904.json); "auto"
@@ -214,9 +226,32 @@ def choose_backend(fusion: str, requested: str, device, dtype: torch.dtype | Non
     return requested
 
 
+def attention_kernel(requested: str, device, dtype: torch.dtype | None, dropout: float = 0.0,
+                     compiling: bool = False) -> str:
+    """The attention kernel ("sdpa", "unfused" or "blocked") that `requested` (one of ATTENTION_CHOICES) runs
+    on `device` in `dtype`, for a call drawing attention dropout `dropout` (0 when none is drawn: evaluation,
+    or attention_dropout 0), inside a compiled graph or not. "auto" with the dtype unknown stays "auto"."""
+    if requested not in ATTENTION_CHOICES:
+        raise UserError(f"attention_backend: {requested!r} is not one of {', '.join(ATTENTION_CHOICES)}")
+    if requested == "blocked" and dropout > 0.0:
+        raise UserError(f"attention_backend blocked has no attention dropout, but attention_dropout is {dropout} in "
+                        "training; use --set attention_backend=auto (SDPA while dropout is drawn) or --set "
+                        "attention_dropout=0")
+    if requested != "auto":
+        return requested
+    # Not inside a compiled graph: the blocked kernel's autograd Function writes through out= (untraceable);
+    # SDPA is the same function there. It has no dropout, so SDPA serves calls that draw it.
+    if _device_type(device) != "cpu" or dropout > 0.0 or compiling:
+        return "sdpa"
+    if dtype is None:
+        return "auto"
+    return "blocked" if dtype in _AUTO_BLOCKED_DTYPES else "sdpa"
+
+
 @dataclass(frozen=True)
 class FusionBackends:
-    """The backend each fusion runs with; pass these as `backend=` to the fusion functions."""
+    """The kernel attention runs with and the backend each fusion runs with; pass the fusions' as `backend=`
+    to the fusion functions, and ask `attention_kernel` per attention call."""
 
     layer_norm: str = "torch"
     bias_gelu: str = "torch"
@@ -225,10 +260,44 @@ class FusionBackends:
     cross_entropy: str = "torch"
     device: str = "cpu"
     note: str = ""  # what else the log should say: fusions "triton" has no kernel for, an unusable Triton
+    attention_request: str = "auto"  # the recipe's model.attention_backend these were resolved for
+    attention: str = "auto"  # the kernel for calls that draw no attention dropout ("auto": decided per call)
+    attention_with_dropout: str = "auto"  # the kernel for training calls that draw attention dropout
 
-    def describe(self) -> str:
-        chosen = ", ".join(f"{name}={getattr(self, name)}" for name in FUSION_NAMES)
-        return f"fusions on {self.device}: {chosen}" + (f" ({self.note})" if self.note else "")
+    def attention_kernel(self, x: torch.Tensor, dropout: float) -> str:
+        """The kernel one attention call on activations `x` runs, drawing attention dropout `dropout` (0 when
+        it draws none). Resolved choices are read as they are; "auto" (no run's facts) and "blocked" (which
+        refuses dropout) go through the policy with this call's facts."""
+        chosen = self.attention_with_dropout if dropout > 0.0 else self.attention
+        if chosen in ("auto", "blocked"):
+            return attention_kernel(chosen, x.device, x.dtype, dropout, torch.compiler.is_compiling())
+        return chosen
+
+    def describe(self, gelu_approximation: str | None = None) -> str:
+        """Every choice in one line; given the model's `gelu_approximation`, bias-GeLU names it (the fused
+        bias-GeLU is the tanh one: "none", the exact erf GeLU, runs in plain PyTorch)."""
+        attention = self.attention
+        if self.attention_with_dropout != self.attention:
+            attention += f" ({self.attention_with_dropout} while training draws attention dropout)"
+        if self.attention == "auto":
+            attention = ("auto (per call: blocked on a CPU in fp32/fp64/bf16 unless training draws attention "
+                         "dropout, else sdpa)")
+        fusions = []
+        for name in FUSION_NAMES:
+            backend = getattr(self, name)
+            if name == "bias_gelu" and gelu_approximation is not None:
+                name = f"bias_gelu[{gelu_approximation}]"
+                backend = backend if gelu_approximation == "tanh" else "torch (exact erf)"
+            fusions.append(f"{name}={backend}")
+        return (f"backends on {self.device}: attention={attention}, {', '.join(fusions)}"
+                + (f" ({self.note})" if self.note else ""))
+
+
+def unresolved_attention(requested: str) -> FusionBackends:
+    """The PyTorch reference fusions with attention `requested`, settled per call: for a model built without
+    a run's device and dtype (tests, tools)."""
+    attention_kernel(requested, "cpu", None)  # refuses an unknown choice now
+    return FusionBackends(attention_request=requested, attention=requested, attention_with_dropout=requested)
 
 
 def _stand_in(fusion: str, requested: str, device, dtype: torch.dtype | None) -> str:
@@ -240,9 +309,11 @@ def _stand_in(fusion: str, requested: str, device, dtype: torch.dtype | None) ->
 
 
 def resolve_backends(fusions: str = "auto", overrides: dict | None = None, device="cpu",
-                     dtype: torch.dtype | None = None) -> FusionBackends:
-    """Resolve the recipe's `fusions` key (auto|triton|apex|compile|torch) and per-fusion overrides for `device`
-    and the model's activation `dtype` (None: unknown, "auto" then ignores it).
+                     dtype: torch.dtype | None = None, attention: str = "auto",
+                     compile: bool = False) -> FusionBackends:
+    """Resolve the recipe's `fusions` key (auto|triton|apex|compile|torch), per-fusion overrides and
+    `attention` (model.attention_backend) for `device` and the model's activation `dtype` (None: unknown, "auto"
+    then ignores it), with the layers compiled (training.compile) or not.
 
     A recipe-wide backend runs the fusions it has a kernel for; the others get `_stand_in`'s choice, which the
     description's note names for "triton". An override must name a backend with a kernel for its fusion.
@@ -271,8 +342,14 @@ def resolve_backends(fusions: str = "auto", overrides: dict | None = None, devic
     problem = triton_problem(device) if kind == "cuda" else None
     if problem:
         notes.append(f"Triton unavailable: {problem}")
-    return FusionBackends(**chosen, device=kind, note="; ".join(notes))
+    # Both attention kernels: whether a call draws dropout is the call's (train or eval mode). "blocked" stays
+    # itself with dropout, to refuse it when a training call draws some (evaluation draws none).
+    quiet = attention_kernel(attention, device, dtype, 0.0, compile)
+    dropping = "blocked" if attention == "blocked" else attention_kernel(attention, device, dtype, 1.0, compile)
+    return FusionBackends(**chosen, device=kind, note="; ".join(notes), attention_request=attention, attention=quiet,
+                          attention_with_dropout=dropping)
 
 
-__all__ = ["FUSION_NAMES", "FusionBackends", "resolve_backends", "choose_backend", "backend_choices",
+__all__ = ["ATTENTION_CHOICES", "FUSION_NAMES", "FusionBackends", "resolve_backends", "attention_kernel",
+           "unresolved_attention", "choose_backend", "backend_choices",
            "triton_problem", "apex_problem", "compile_problem", "compiled"]

@@ -41,7 +41,7 @@ from megatron_core import parallel_state
 from megatron_core.config import ModelConfig, ParallelConfig
 from megatron_core.errors import UserError
 from megatron_core.fusions import FusionBackends
-from megatron_core.fusions.causal_attention import SUPPORTED_DTYPES as BLOCKED_DTYPES
+from megatron_core.fusions.backends import unresolved_attention
 from megatron_core.fusions.causal_attention import blocked_causal_attention
 from megatron_core.tensor_parallel import (
     ColumnParallelLinear,
@@ -67,7 +67,8 @@ from megatron_core.tensor_parallel.random import tracked_dropout
 
 class ElementwiseOps:
     """The element-wise steps that have fused kernels, with the backends chosen once per run
-    (`resolve_backends(...)`; None means the PyTorch references of megatron_core.fusions)."""
+    (`resolve_backends(...)`, which also holds the attention kernel; None means the PyTorch references of
+    megatron_core.fusions)."""
 
     def __init__(self, gelu_approximation: str, fusions: Optional[FusionBackends] = None) -> None:
         self.gelu_approximation = gelu_approximation
@@ -76,10 +77,7 @@ class ElementwiseOps:
         self.fused_gelu = gelu_approximation == "tanh"
 
     def describe(self) -> str:
-        b = self.backends
-        gelu = b.bias_gelu if self.fused_gelu else "torch (exact erf)"
-        return (f"layer_norm={b.layer_norm}, bias_gelu[{self.gelu_approximation}]={gelu}, "
-                f"bias_dropout_add={b.bias_dropout_add}, softmax={b.softmax}, cross_entropy={b.cross_entropy}")
+        return self.backends.describe(self.gelu_approximation)
 
     def layer_norm(self, x, weight, bias, eps):
         return kernels.layer_norm(x, weight, bias, eps, backend=self.backends.layer_norm)
@@ -162,7 +160,6 @@ class SelfAttention(nn.Module):
         self.num_heads_local = config.num_attention_heads // tp
         self.head_dim = h // config.num_attention_heads
         self.attention_dropout = config.attention_dropout
-        self.backend = config.attention_backend
         self.recompute_core = parallel.recompute_granularity == "selective"
         self.ops = ops
         # Output rows per head are [q (head_dim rows), k, v]: Megatron's checkpoint_version 3.0 order.
@@ -172,13 +169,14 @@ class SelfAttention(nn.Module):
         self.dense = RowParallelLinear(h, h, input_is_parallel=True, sequence_parallel=sp, skip_bias_add=True,
                                        init_method=normal_init(output_std), initialize=False)
 
-    def core_attention(self, q, k, v):
-        """softmax(q k^T / sqrt(d), causal) v on [b, heads, s, d]; dropout inside the TP region."""
+    def core_attention(self, q, k, v, kernel: str = "sdpa"):
+        """softmax(q k^T / sqrt(d), causal) v on [b, heads, s, d] with `kernel` "sdpa" or "unfused"; dropout
+        inside the TP region."""
         p = self.attention_dropout if self.training else 0.0
         # SDPA draws its mask inside the kernel, so it needs the tracker's state swapped in; a compiled
         # graph cannot swap states, so there the probabilities are explicit and the mask is the tracker
         # op's (on the CPU the very mask SDPA draws: SDPA's math path drops the same [b, heads, s, s]).
-        if self.backend != "unfused" and not (p > 0.0 and torch.compiler.is_compiling()):
+        if kernel != "unfused" and not (p > 0.0 and torch.compiler.is_compiling()):
             if p == 0.0:
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True)
             with get_rng_tracker().fork():
@@ -186,31 +184,22 @@ class SelfAttention(nn.Module):
         probs = self.ops.scaled_causal_softmax(q @ k.transpose(-2, -1), 1.0 / math.sqrt(self.head_dim))
         return tracked_dropout(probs, p, self.training) @ v
 
-    def runs_blocked(self, qkv) -> bool:
-        """Whether this call takes the blocked CPU kernel: asked for, or `auto` on a CPU in fp32/fp64/bf16
-        while no attention dropout is drawn (the kernel has none; SDPA serves that case)."""
-        dropout_drawn = self.training and self.attention_dropout > 0.0
-        if self.backend == "blocked":
-            if dropout_drawn:
-                raise UserError(f"attention_backend blocked has no attention dropout, but attention_dropout is "
-                                f"{self.attention_dropout} in training; use --set attention_backend=auto (SDPA "
-                                "while dropout is drawn) or --set attention_dropout=0")
-            return True
-        # Not inside a compiled graph: its autograd Function writes through out= (untraceable); SDPA is
-        # the same function there.
-        return (self.backend == "auto" and qkv.device.type == "cpu" and qkv.dtype in BLOCKED_DTYPES
-                and not dropout_drawn and not torch.compiler.is_compiling())
+    def kernel(self, qkv) -> str:
+        """The kernel this call runs ("sdpa", "unfused" or "blocked"), as the run's backends chose it
+        (fusions/backends.py); attention dropout is drawn only in training."""
+        return self.ops.backends.attention_kernel(qkv, self.attention_dropout if self.training else 0.0)
 
     def attend(self, qkv):
         """qkv [s, b, 3h/tp] -> context [s, b, h/tp]."""
-        if self.runs_blocked(qkv):
+        kernel = self.kernel(qkv)
+        if kernel == "blocked":
             return blocked_causal_attention(qkv, self.num_heads_local, self.head_dim)
         s, b = qkv.shape[:2]
         # unbind, not three selects: its backward stacks the three gradients in one pass, where each
         # select's would zero a full-size qkv gradient and autograd would add the three.
         qkv = qkv.view(s, b, self.num_heads_local, 3, self.head_dim)
         q, k, v = (t.permute(1, 2, 0, 3) for t in qkv.unbind(3))  # each [b, heads, s, d]
-        context = self.core_attention(q, k, v)
+        context = self.core_attention(q, k, v, kernel)
         return context.permute(2, 0, 1, 3).reshape(s, b, self.num_heads_local * self.head_dim)
 
     def forward(self, x):
@@ -300,6 +289,18 @@ def _check_layout(config: ModelConfig, parallel: ParallelConfig, padded_vocab_si
                                    num_layers_per_virtual_pipeline_stage=parallel.num_layers_per_virtual_pipeline_stage)
 
 
+def _backends_for(config: ModelConfig, fusions: Optional[FusionBackends]) -> FusionBackends:
+    """The run's resolved backends, which must have been resolved for this model's attention_backend; without
+    them the reference fusions, with attention settled per call."""
+    if fusions is None:
+        return unresolved_attention(config.attention_backend)
+    if fusions.attention_request != config.attention_backend:
+        raise ValueError(f"the fusion backends were resolved for attention_backend {fusions.attention_request!r} but "
+                         f"the model asks for {config.attention_backend!r}; pass attention=config.attention_backend "
+                         "to resolve_backends")
+    return fusions
+
+
 def _parameter_seed(seed: int, global_name: str) -> int:
     digest = hashlib.sha256(f"{seed}:{global_name}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
@@ -347,7 +348,7 @@ class GPTModel(nn.Module):
         self.layer_offset = layer_offset
         self.sequence_parallel = parallel.sequence_parallel
         self.tied = not config.untie_embeddings_and_output_weights
-        self.ops = ElementwiseOps(config.gelu_approximation, fusions)
+        self.ops = ElementwiseOps(config.gelu_approximation, _backends_for(config, fusions))
         self.input_tensor: Optional[torch.Tensor] = None
 
         if self.pre_process:
@@ -395,12 +396,8 @@ class GPTModel(nn.Module):
         return [p for p in self.parameters() if getattr(p, "sequence_parallel", False)]
 
     def describe_backends(self) -> str:
-        attention = {"sdpa": "F.scaled_dot_product_attention", "unfused": "explicit softmax(QK^T)V",
-                     "blocked": "blocked causal (CPU)",
-                     "auto": "auto (blocked causal on a CPU in fp32/fp64/bf16 unless training draws attention dropout, "
-                             "else F.scaled_dot_product_attention)"}
-        return (f"attention: {attention[self.config.attention_backend]}; {self.ops.describe()}; "
-                f"recompute: {self.parallel.recompute_granularity or 'none'}")
+        """The one description of the kernels this model runs (attention and every fusion), and its recompute."""
+        return f"{self.ops.describe()}; recompute: {self.parallel.recompute_granularity or 'none'}"
 
     def global_parameter_name(self, name: str) -> str:
         """The name a parameter has in the single-process model (global layer number, tied head
@@ -516,5 +513,8 @@ def compile_layers(model) -> None:
         raise UserError("training.compile cannot trace attention_backend blocked (a hand-written CPU kernel); use "
                         "--set attention_backend=auto (SDPA inside the compiled layer), or training.compile=false")
     for stage in getattr(model, "chunks", [model]):
+        if "blocked" in (stage.ops.backends.attention, stage.ops.backends.attention_with_dropout):
+            raise ValueError("the backends chose the blocked attention kernel, which cannot be compiled: pass "
+                             "compile=True to resolve_backends for a model whose layers are compiled")
         for layer in stage.encoder.layers:
             layer.compile(fullgraph=True)
