@@ -59,21 +59,24 @@ OTHER = {
 
 
 def readme_commands() -> list[str]:
-    """The commands of the README's ```bash blocks, continuation lines joined, comments dropped."""
+    """The commands of the README's ```bash blocks, continuation lines joined, comments dropped, `a && b` as
+    two commands."""
     text = (ROOT / "README.md").read_text()
     commands = []
     for block in re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M):
         for line in re.sub(r"\\\n\s*", " ", block).splitlines():
             words = shlex.split(line, comments=True)
-            if words:
-                commands.append(" ".join(words))
+            while words:
+                cut = words.index("&&") if "&&" in words else len(words)
+                commands.append(" ".join(words[:cut]))
+                words = words[cut + 1:]
     return commands
 
 
 def cli_args(command: str) -> list[str] | None:
     """The task part of a `megatron-recipes ...` or `invoke ...` command; None for other commands."""
     words = command.split()
-    return words[1:] if words[0] in (CLI, "invoke") else None
+    return words[1:] if Path(words[0]).name in (CLI, "invoke") else None  # .venv/bin/megatron-recipes too
 
 
 def console_script() -> Path:
