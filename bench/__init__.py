@@ -1,1 +1,1 @@
-"""Benchmarks behind `invoke bench.*`; each writes its JSON under bench/results/."""
+"""Benchmarks behind `invoke bench.*`; each writes its JSON under ./work/bench-results/ (or --results-dir)."""

@@ -11,11 +11,14 @@ from typing import Callable, Optional
 from megatron_core.errors import UserError
 from megatron_core.files import replace_atomically
 
-RESULTS = Path(__file__).resolve().parent / "results"
+# Where a run's JSON goes unless --results-dir says otherwise: beside the user's other outputs (./work, relative
+# to the current directory), never into the checkout's tracked bench/results/, which keeps only the runs the
+# README cites (copied there on purpose).
+RESULTS = Path("work") / "bench-results"
 
 
 def results_path(name: str, results_dir: Optional[Path] = None, suffix: str = ".json") -> Path:
-    """bench/results/<name>-<UTC time><suffix> (or under results_dir), its folder made."""
+    """work/bench-results/<name>-<UTC time><suffix> (or under results_dir), its folder made."""
     results_dir = Path(results_dir or RESULTS)
     results_dir.mkdir(parents=True, exist_ok=True)
     return results_dir / f"{name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}{suffix}"

@@ -15,7 +15,7 @@ stop_strings=...)`. Before timing, both decode greedily from the same prompt and
 Runs interleave prompt by prompt (ours, transformers, then transformers, ours, ...) for --repeats
 rounds, so that on a shared machine both see the same load; each side's tokens/s is its total tokens
 over its total seconds, and every timed batch is in the JSON. Writes
-bench/results/eval-<time>.json and prints the JSON as the last line.
+work/bench-results/eval-<time>.json (or --results-dir) and prints the JSON as the last line.
 """
 
 from __future__ import annotations

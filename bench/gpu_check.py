@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from bench.cli import RESULTS
 from megatron_core.launch import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -411,7 +412,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default=os.environ.get("DEVICE", "auto"))
     parser.add_argument("--workdir", help="scratch directory (default: a fresh one under /tmp)")
-    parser.add_argument("--results-dir", default=str(ROOT / "bench" / "results"))
+    parser.add_argument("--results-dir", default=str(RESULTS), help="where the JSON and logs go (default "
+                        "work/bench-results; a device run's are copied to $OUT too, to commit under bench/results/)")
     parser.add_argument("--only", nargs="+", choices=sorted(PARTS), help="run only these parts")
     parser.add_argument("--time-scale", type=float, default=1.0, help="multiply every part's time limit")
     parser.add_argument("--part", choices=sorted(PARTS), help=argparse.SUPPRESS)  # the child's job

@@ -15,7 +15,7 @@
 # corpus with a 32768-token BPE trained on it (same shapes, same FLOPs). WORK may hold those steps
 # already built (bench.train reuses a step whose manifest exists).
 # Each part runs under its own time limit and a failing part does not stop the next; the exit status
-# says whether all passed. JSON lands in bench/results/; the files this run wrote are copied to $OUT
+# says whether all passed. JSON lands in work/bench-results/; the files this run wrote are copied to $OUT
 # when it is set.
 #
 #   bash bench/gpu_speed.sh          # about 7 minutes on one H200; needs torch, triton, transformers
@@ -27,7 +27,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
-WORK=${WORK:-/tmp/megatron-recipes-gpu-check}
+WORK=${WORK:-work/gpu-speed}  # the checkout's own work area, not a path shared in /tmp
 ITERS=${ITERS:-6}
 if [ -n "${TRITON_INTERPRET:-}" ]; then
   echo "error: TRITON_INTERPRET=$TRITON_INTERPRET is set; this check compiles the kernels for the GPU, unset it" >&2
@@ -51,7 +51,7 @@ part() {  # part NAME SECONDS COMMAND...: run under a time limit, record a failu
   echo "== $name: exit $rc after $(($(date +%s) - start)) s"
   [ "$rc" -eq 0 ] || FAILED+=("$name")
   if [ -n "${OUT:-}" ]; then  # after each part: a run cut short still brings back what it measured
-    find bench/results -type f -newer "$STARTED" -name '*.json' \( -name 'train-*' -o -name 'kernels-*' -o -name 'drift-*' \) \
+    find work/bench-results -type f -newer "$STARTED" -name '*.json' \( -name 'train-*' -o -name 'kernels-*' -o -name 'drift-*' \) \
       -exec cp {} "$OUT"/ \;
   fi
   return "$rc"

@@ -234,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="cpu: check the benchmark itself through Triton's interpreter (TRITON_INTERPRET=1)")
     parser.add_argument("--copy-megabytes", type=int, default=1024, help="size of the copy-bandwidth tensor")
-    parser.add_argument("--results-dir", type=Path, default=None, help="where the JSON goes (bench/results)")
+    parser.add_argument("--results-dir", type=Path, default=None,
+                        help="where the JSON goes (default work/bench-results)")
     args = parser.parse_args(argv)
     results_dir = args.results_dir
     del args.results_dir

@@ -8,7 +8,7 @@ runs it (`python -m megatron_core.data.preprocess ...` in a fresh process, start
 best of --repeats runs, all recorded: the target, at least 10 MB/s of input with 2 workers, 5x
 Megatron-LM's own tool) and, inside this process, `preprocess` alone; then checks every document's
 tokens against the exact (HF tokenizers) BPE.
-Writes bench/results/preprocess-<timestamp>.json (or under --results-dir) and prints the JSON as the last line.
+Writes work/bench-results/preprocess-<timestamp>.json (or under --results-dir) and prints the JSON as the last line.
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def main(argv=None) -> int:
     p.add_argument("--engine", default="auto", choices=["auto", "tiktoken", "hf"])
     p.add_argument("--max-bytes", type=int, default=None)
     p.add_argument("--repeats", type=int, default=3, help="runs of the whole command; the best is reported")
-    p.add_argument("--results-dir", default=None, help="where the JSON goes (default bench/results)")
+    p.add_argument("--results-dir", default=None, help="where the JSON goes (default work/bench-results)")
     a = p.parse_args(argv)
     result = run(a.workers, a.vocab_size, a.workdir, a.recipe_hash, a.engine, a.max_bytes, repeats=a.repeats,
                  results_dir=a.results_dir)

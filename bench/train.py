@@ -22,7 +22,7 @@ Reports steady-state tokens/s, ms per iteration, TFLOP/s per device (Megatron's 
 the device's peak is known (never on a CPU), and peak memory (CUDA: max allocated; CPU: the
 process's peak resident set, reset before each run), and on CUDA our step's host syncs per iteration by
 call site (`host_syncs_per_iteration`, `host_sync_sites`: torch.cuda.set_sync_debug_mode("warn") over
---iters steps; null on a CPU, with `host_syncs_note`). Writes bench/results/train-<time>.json and a
+--iters steps; null on a CPU, with `host_syncs_note`). Writes work/bench-results/train-<time>.json and a
 bar chart beside it, and prints the JSON as the last line.
 """
 
