@@ -145,12 +145,21 @@ def run_forwarding_signals(cmd: Sequence[str], grace_s: float = 600.0) -> int:
             except ProcessLookupError:
                 pass
 
+    pending: list[int] = []  # a signal torchrun's workers have not got yet (they were not started)
+
+    def deliver(signum: int) -> None:
+        # torchrun's workers are its children (their own children, e.g. compile workers, are theirs)
+        targets = _children(child.pid) if via_torchrun else [child.pid]
+        send(signum, targets)
+        if not targets:
+            pending.append(signum)
+
     def forward(signum, frame):  # noqa: ARG001 - the signal handler's signature
         received.append((time.monotonic(), signum))
         if len(received) >= 3:
             send(signal.SIGKILL, _process_tree(child.pid))
-        else:  # torchrun's workers are its children (their own children, e.g. compile workers, are theirs)
-            send(signum, _children(child.pid) if via_torchrun else [child.pid])
+        else:
+            deliver(signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -159,6 +168,8 @@ def run_forwarding_signals(cmd: Sequence[str], grace_s: float = 600.0) -> int:
                 rc = child.wait(timeout=1.0)
                 break
             except subprocess.TimeoutExpired:
+                if pending:
+                    deliver(pending.pop())
                 if received and time.monotonic() - received[0][0] > grace_s:
                     send(signal.SIGKILL, _process_tree(child.pid))
     finally:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from megatron_core import parallel_state as ps
+from megatron_core import workflow
 from megatron_core.config import Recipe, load_recipe
 from megatron_core.errors import UserError
 from megatron_core.log import configure as configure_logging
@@ -365,7 +366,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise UserError("no training data: give --data-path PREFIX (invoke train finds the recipe's own)")
         if (args.vocab_file is None) != (args.merge_file is None):
             raise UserError("--vocab-file and --merge-file go together: give both")
-        run_dir = Path(args.run_dir) if args.run_dir else Path(args.workdir) / recipe.name / "runs" / recipe.hash
+        run_dir = Path(args.run_dir) if args.run_dir else workflow.run_dir(recipe, args.workdir)  # as the tasks name it
         tokenizer_files = (args.vocab_file, args.merge_file) if args.vocab_file else None
         # The writer rank prints `summary: {...}` and writes run_dir/summary.json (Trainer.fit).
         summary = train(recipe, run_dir, args.data_path, tokenizer_files, load=args.load, save=args.save,

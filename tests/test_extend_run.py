@@ -63,6 +63,7 @@ def test_raising_train_iters_continues_the_finished_run_and_convert_finds_it(tmp
     assert f"run directory: {run}" in out and f"at iteration {N} " in out
     assert f"lr_decay_iters follows train_iters: {N} -> {2 * N}; the learning rate now decays to min_lr at {2 * N}" \
         in out
+    assert "train_iters changed: the data indices are sized for the new length" in out  # the data order, said
     assert list((run.parent).iterdir()) == [run]  # no second run directory
     assert read_tracker(run / "checkpoints") == 2 * N
     trained = [m["iteration"] for m in read_metrics(run) if m["type"] == "train"]

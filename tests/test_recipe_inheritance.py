@@ -106,3 +106,22 @@ def test_finding_and_loading_recipes_never_imports_torch():
             "config.resolve_recipe_path('codeparrot-small', gpus=1); print('torch' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert proc.stdout.strip() == "False"
+
+
+def test_a_copy_of_a_variant_does_not_join_its_family(tmp_path, monkeypatch):
+    """A sweep made from codeparrot-small-8gpu must not become the family's 8-GPU variant without saying so."""
+    import shutil
+
+    recipes = tmp_path / "recipes"
+    shutil.copytree(config.recipes_dir(), recipes)
+    sweep = "base: codeparrot-small-8gpu\nname: my-lr-sweep\ntraining:\n  lr: 1.0e-4\n"
+    (recipes / "my-lr-sweep.yaml").write_text(sweep)
+    monkeypatch.setenv("MEGATRON_RECIPES_DIR", str(recipes))
+    for gpus in (0, 1, 8):
+        assert config.resolve_recipe_path("codeparrot-small", gpus).stem != "my-lr-sweep"
+    assert load_recipe("my-lr-sweep").family is None
+    # a copy that claims the family for the same GPU count is refused, naming both files
+    (recipes / "my-lr-sweep.yaml").write_text("base: codeparrot-small-8gpu\nname: my-lr-sweep\n"
+                                              "family: codeparrot-small\n")
+    with pytest.raises(UserError, match="two recipes for 8 GPU.*codeparrot-small-8gpu.yaml and my-lr-sweep.yaml"):
+        config.resolve_recipe_path("codeparrot-small", 8)

@@ -60,6 +60,9 @@ def _with_bases(path: Path, chain: tuple[Path, ...]) -> Any:
     inherited = _with_bases(base, seen)
     if not isinstance(inherited, dict):
         raise UserError(f"{base}: a recipe must be a YAML mapping (it is the base of {path})")
+    # a family is a recipe's own claim: a copy made from a variant (a sweep, an experiment) must not become
+    # one of that family's variants without saying so
+    inherited = {k: v for k, v in inherited.items() if k != "family"}
     return merge_over(inherited, raw)
 
 
@@ -119,7 +122,13 @@ def resolve_recipe_path(spec: str, gpus: Optional[int] = None) -> Path:
     resolved = [(f, read_recipe_file(f)) for f in files]
     family = [(f, raw) for f, raw in resolved if raw.get("family") == spec]
     if family:
-        sizes = {int((raw.get("parallel") or {}).get("world_size", 1)): f for f, raw in family}
+        sizes: dict[int, Path] = {}
+        for f, raw in family:
+            size = int((raw.get("parallel") or {}).get("world_size", 1))
+            if size in sizes:
+                raise UserError(f"family {spec!r} has two recipes for {size} GPU(s): {sizes[size].name} and {f.name}; "
+                                "give one of them another family (or none)")
+            sizes[size] = f
         if len(sizes) == 1:
             return next(iter(sizes.values()))
         gpus = visible_gpu_count() if gpus is None else gpus

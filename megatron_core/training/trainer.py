@@ -63,6 +63,9 @@ class TrainState:
     interval_iterations: int = 0
 
 
+STOP_CHECK_INTERVAL = 10  # iterations between the ranks' agreement on a received SIGINT/SIGTERM
+
+
 class NonFiniteTrainingError(UserError):
     """The run diverged: too many NaN/inf iterations in a row, or non-finite weights at a save."""
 
@@ -124,6 +127,11 @@ class Trainer:
         schedule_note = ckpt.lr_schedule_note(self.recipe, state["recipe"], iteration)
         if schedule_note:
             self.logger.info(schedule_note)
+        if "training.train_iters" in changed:  # the GPT dataset's epochs and shuffle are sized by train_iters
+            self.logger.info("train_iters changed: the data indices are sized for the new length, so past the first "
+                             "epoch the samples still to come are shuffled anew (Megatron does the same); the "
+                             f"{self.state.consumed_train_samples or int(state['consumed_train_samples'])} consumed "
+                             "samples are not replayed in order")
         saved_tp = getattr(state["args"], "tensor_model_parallel_size", None)
         tp = ps.get_tensor_model_parallel_world_size()
         if saved_tp not in (None, tp):
@@ -380,8 +388,9 @@ class Trainer:
                     self.save()
                     saved_at = s.iteration
                 # Every rank stops after the same iteration. Agreeing costs a collective and a host read, so
-                # several processes agree at log lines only: a signal stops them within log_interval iterations.
-                agree_now = s.iteration % t.log_interval == 0 or not _distributed()
+                # several processes agree every STOP_CHECK_INTERVAL iterations (or at log lines, if more often):
+                # a scheduler's grace period after SIGTERM is tens of seconds, whatever log_interval says.
+                agree_now = s.iteration % min(t.log_interval, STOP_CHECK_INTERVAL) == 0 or not _distributed()
                 if agree_now and _any_rank(self._stop_signal is not None):
                     stopped_by = signal.Signals(self._stop_signal or signal.SIGTERM).name
                     break
