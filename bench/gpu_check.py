@@ -43,6 +43,7 @@ from typing import Callable, Optional
 
 from bench.cli import RESULTS
 from megatron_core.launch import free_port
+from megatron_core.training.logging import METRICS_FILENAME, read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = "smoke"
@@ -93,12 +94,14 @@ def _invoke_train(workdir: Path, overrides: list[str], log: Path, timeout: float
     return Path(lines[-1].split(": ", 1)[1])
 
 
+def _records(run_dir: Path) -> list[dict]:
+    if not (run_dir / METRICS_FILENAME).exists():
+        raise PartFailed(f"{run_dir / METRICS_FILENAME} is missing")
+    return read_metrics(run_dir)
+
+
 def _train_records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        raise PartFailed(f"{path} is missing")
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in records if r.get("type") == "train"]
+    return [r for r in _records(run_dir) if r.get("type") == "train"]
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
@@ -115,8 +118,8 @@ def _max_rel_diff(a: dict[int, float], b: dict[int, float], iterations) -> float
 
 
 def _build_data(workdir: Path, log: Path) -> None:
+    # preprocess builds its prerequisites first (corpus, tokenizer)
     _run([sys.executable, "-m", "invoke", "preprocess", "--recipe", RECIPE, "--workdir", str(workdir)], log, 300)
-    _run([sys.executable, "-m", "invoke", "tokenizer", "--recipe", RECIPE, "--workdir", str(workdir)], log, 120)
 
 
 def _train_in_process(workdir: Path, overrides: list[str], run_dir: Path) -> dict:
@@ -157,8 +160,7 @@ def part_train_resume(device: str, workdir: Path, logs: Path) -> dict:
         for it in (10, 20):
             if not (ckpt / f"iter_{it:07d}").is_dir():
                 raise PartFailed(f"{name} run: no checkpoint at iteration {it} in {ckpt}")
-        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-        if not any(r.get("type") == "valid" for r in records):
+        if not any(r.get("type") == "valid" for r in _records(run_dir)):
             raise PartFailed(f"{name} run: no validation record in metrics.jsonl")
         kept = run_dir.with_name(run_dir.name + "." + name)
         shutil.rmtree(kept, ignore_errors=True)

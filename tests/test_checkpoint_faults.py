@@ -117,6 +117,9 @@ def test_a_truncated_rank_file_of_an_old_checkpoint_without_manifest_falls_back(
     lines: list[str] = []
     assert ckpt.load_latest(save, log=lines.append)[0] == 8
     assert any("cannot read checkpoint" in line for line in lines), lines
+    # loading without verification is said, not silent
+    assert lines[-1] == f"{cf.iteration_dir(save, 8)} has no manifest: its files are loaded without checksum " \
+                        "verification", lines
 
 
 def test_every_iteration_damaged_refuses_unless_from_scratch(run, corpus):

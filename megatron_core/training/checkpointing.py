@@ -43,6 +43,7 @@ from megatron_core.checkpoint_format import (
     is_model_key,
     iteration_dir,
     load_checkpoint_file,
+    manifest_paths,
     merge_chunked_states,
     model_chunks,
     model_entries,
@@ -354,6 +355,8 @@ def load_latest(load, *, required: bool = False, fallback: bool = True, from_scr
         if _on_every_rank(error is None, iteration, load):
             if failed:
                 say(f"falling back to {where} (iteration {iteration}): {', '.join(failed)} failed verification")
+            if not manifest_paths(where):  # Megatron-LM's own, or written before checksums: said, not silent
+                say(f"{where} has no manifest: its files are loaded without checksum verification")
             return iteration, state
         error = error or "another rank could not read its files"
         say(f"checkpoint {where} cannot be used: {error}")

@@ -450,14 +450,7 @@ def _loss_sum(losses: list[dict]) -> torch.Tensor:
 def _any_rank(flag: bool) -> bool:
     """True on every rank when it is true on any (a signal may reach the ranks of a job at different
     iterations; all of them must save the same one and leave together)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return flag
-    device = ps.get_collective_device()
-    tensor = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return bool(tensor.item())
+    return not ps.all_ranks_ok(not flag)
 
 
 def _average_tensor_over_dp(value: torch.Tensor) -> torch.Tensor:
