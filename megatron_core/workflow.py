@@ -20,6 +20,7 @@ from typing import Callable, Optional
 from megatron_core.config import Recipe
 from megatron_core.data.hub import hub_commit
 from megatron_core.errors import UserError
+from megatron_core.files import publish_directory
 from megatron_core.log import get_logger
 
 _LOG = get_logger(__name__, tag="workflow")
@@ -107,9 +108,7 @@ def _build(step: Step, recipe: Recipe, build: Callable[[Path], dict], force: boo
             **fields,
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str) + "\n")
-        if step.directory.exists():  # a forced rebuild replaces the old output only now
-            shutil.rmtree(step.directory)
-        os.replace(tmp, step.directory)
+        publish_directory(tmp, step.directory)  # a forced rebuild replaces the old output only now
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -169,11 +168,6 @@ def _done_step(recipe: Recipe, workdir, stage: str, task: str) -> Step:
         raise UserError(f"the {stage} step of recipe {recipe.name} is not built under {workdir} "
                         f"({step.directory} is missing): run `invoke {task} --recipe {recipe.name}` first")
     return step
-
-
-def corpus_path(recipe: Recipe, workdir) -> Path:
-    """The built corpus file (a lookup: see ensure_corpus to build it)."""
-    return _done_step(recipe, workdir, "corpus", "corpus").directory / "corpus.jsonl"
 
 
 @_reports_once
@@ -323,11 +317,3 @@ def run_dir(recipe: Recipe, workdir) -> Path:
     """Named by the train stage's hash, which leaves out how long and how visibly a run trains: a raised
     train_iters continues (and convert/evaluate find) the same run."""
     return recipe_root(recipe, workdir) / "runs" / recipe.stage_hash("train")
-
-
-def describe_outputs(recipe: Recipe, workdir) -> dict:
-    """Where each step's output is (or will be), for `invoke recipes --recipe R` and the README."""
-    root = {stage: str(step_dir(recipe, workdir, stage).directory) for stage in ("corpus", "tokenizer", "preprocess")}
-    root["run"] = str(run_dir(recipe, workdir))
-    return root
-

@@ -1,4 +1,4 @@
-"""`invoke docker.build` / `docker.run`: the exact SDK requests, the dry-run command lines, the no-engine error.
+"""`invoke docker.build` / `docker.run`: what the engine is asked for, the dry-run command lines, the no-engine error.
 
 No Docker engine runs on the CI machines, so the requests go to an inspectable stand-in with the SDK's
 method names; the request objects use the real SDK's types (DeviceRequest, Ulimit) and the no-engine test
@@ -103,16 +103,17 @@ def test_another_ngc_tag_needs_its_own_digest():
         containers.build_request(ngc_digest="sha256:abc")
 
 
-def test_build_sends_exact_request_and_streams_output():
+def test_build_builds_the_checkout_with_its_pins_and_streams_output():
     chunks = [{"stream": "Step 1/9 : ARG NGC_TAG=25.05\n"}, {"stream": "\n"}, {"aux": {"ID": "sha256:abc"}},
               {"stream": "Successfully tagged x:y\n"}]
     client, echoed = FakeClient(build_chunks=chunks), []
     image_id = containers.build(tag="x:y", ngc_tag="25.05", ngc_digest=OTHER_DIGEST, client=client,
                                 echo=echoed.append)
     assert image_id == "sha256:abc"
-    assert client.calls == [("api.build", {"path": str(ROOT), "dockerfile": "docker/Dockerfile", "tag": "x:y",
-                                           "buildargs": {"NGC_TAG": "25.05", "NGC_DIGEST": OTHER_DIGEST}, "rm": True,
-                                           "decode": True, "nocache": False, "pull": False})]
+    ((call, kwargs),) = client.calls
+    assert call == "api.build" and kwargs["tag"] == "x:y"
+    assert (Path(kwargs["path"]) / kwargs["dockerfile"]).is_file()  # the checkout's own Dockerfile
+    assert kwargs["buildargs"] == {"NGC_TAG": "25.05", "NGC_DIGEST": OTHER_DIGEST}  # the base image, pinned
     assert echoed == ["Step 1/9 : ARG NGC_TAG=25.05", "Successfully tagged x:y", "built x:y (sha256:abc)"]
 
 
@@ -145,25 +146,21 @@ def test_context_without_dockerfile(tmp_path):
 # ----------------------------------------------------------------------------------------------
 
 
-def test_run_sends_exact_request_streams_logs_and_removes(dirs):
+def test_run_trains_on_every_gpu_as_the_caller_streams_logs_and_removes(dirs):
     work, cache = dirs
     client, echoed = FakeClient(container=FakeContainer([b"iteration 1\n", b"done\n"], status=0)), []
     code = containers.run(client=client, echo=echoed.append, workdir=work, cache=cache)
     assert code == 0
     assert client.calls[0] == ("images.get", IMAGE)
     name, kwargs = client.calls[1]
-    assert name == "containers.run"
-    assert kwargs == {
-        "image": IMAGE,
-        "command": ["invoke", "train", "--recipe", "codeparrot-small"],
-        "detach": True,
-        "device_requests": [DeviceRequest(count=-1, capabilities=[["gpu"]])],
-        "ipc_mode": "host",
-        "ulimits": ULIMITS,
-        "volumes": {str(work): {"bind": "/work", "mode": "rw"}, str(cache): {"bind": "/cache", "mode": "rw"}},
-        "environment": {},
-        "user": USER,
-    }
+    assert name == "containers.run" and kwargs["image"] == IMAGE
+    assert kwargs["command"] == ["invoke", "train", "--recipe", "codeparrot-small"]
+    assert kwargs["device_requests"] == [DeviceRequest(count=-1, capabilities=[["gpu"]])]  # every GPU
+    # NCCL needs the host's shared memory and unlimited locked memory (NGC's documented run flags)
+    assert kwargs["ipc_mode"] == "host" and ULIMITS[0] in kwargs["ulimits"]
+    assert kwargs["volumes"] == {str(work): {"bind": "/work", "mode": "rw"},
+                                 str(cache): {"bind": "/cache", "mode": "rw"}}
+    assert kwargs["user"] == USER  # what it writes under /work is the caller's
     assert work.is_dir() and cache.is_dir()  # made here, not by the engine as root
     assert echoed[1:] == ["iteration 1", "done", "container exited with code 0"]
     assert echoed[0].startswith("+ docker run --rm --gpus all --ipc=host")

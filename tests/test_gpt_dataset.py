@@ -181,15 +181,23 @@ def test_blending_indices_equal_megatron_helper():
         assert np.array_equal(ids, expected_ids) and np.array_equal(samples, expected_samples)
 
 
-def test_cache_is_reused_and_seed_changes_its_name(data, tmp_path):
+def count_index_builds(monkeypatch: pytest.MonkeyPatch) -> list:
+    """One entry per index build from now on (a split whose cache is reused adds none)."""
+    calls: list = []
+    real = gpt_dataset.build_gpt_indices
+    monkeypatch.setattr(gpt_dataset, "build_gpt_indices", lambda *args, **kw: calls.append(args) or real(*args, **kw))
+    return calls
+
+
+def test_cache_is_reused_and_seed_changes_its_name(data, tmp_path, monkeypatch):
     kwargs = dict(split="90,8,2", seq_length=64, num_samples=(300, 20, 5), cache_dir=str(tmp_path))
-    before = gpt_dataset.BUILD_COUNTER["gpt"]
+    builds = count_index_builds(monkeypatch)
     first = gpt_dataset.build_gpt_datasets(data["a"], seed=1, **kwargs)
-    assert gpt_dataset.BUILD_COUNTER["gpt"] == before + 3
+    assert len(builds) == 3
     files = sorted(os.listdir(tmp_path))
     mtimes = {f: os.stat(tmp_path / f).st_mtime_ns for f in files}
     second = gpt_dataset.build_gpt_datasets(data["a"], seed=1, **kwargs)
-    assert gpt_dataset.BUILD_COUNTER["gpt"] == before + 3
+    assert len(builds) == 3
     assert sorted(os.listdir(tmp_path)) == files
     assert {f: os.stat(tmp_path / f).st_mtime_ns for f in files} == mtimes
     assert isinstance(second[0].shuffle_index, np.memmap)
@@ -197,7 +205,7 @@ def test_cache_is_reused_and_seed_changes_its_name(data, tmp_path):
     assert not any(".tmp" in f for f in files)
 
     gpt_dataset.build_gpt_datasets(data["a"], seed=2, **kwargs)
-    assert gpt_dataset.BUILD_COUNTER["gpt"] == before + 6
+    assert len(builds) == 6
     new_files = set(os.listdir(tmp_path)) - set(files)
     assert len(new_files) == 3 * 4  # three arrays + description per split, under new hashed names
 
@@ -226,12 +234,13 @@ def test_bad_input_messages(data, tmp_path):
 def _build_on_rank(prefix, cache_dir):
     import torch.distributed as dist
 
-    before = gpt_dataset.BUILD_COUNTER["gpt"]
-    train, valid, test = gpt_dataset.build_gpt_datasets(prefix, split="90,8,2", seq_length=32, num_samples=(200, 20, 5),
-                                                        seed=5, cache_dir=cache_dir)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        builds = count_index_builds(monkeypatch)
+        train, valid, test = gpt_dataset.build_gpt_datasets(prefix, split="90,8,2", seq_length=32,
+                                                            num_samples=(200, 20, 5), seed=5, cache_dir=cache_dir)
     return {
         "rank": dist.get_rank(),
-        "built": gpt_dataset.BUILD_COUNTER["gpt"] - before,
+        "built": len(builds),
         "mmapped": isinstance(train.shuffle_index, np.memmap),
         "tokens": torch.stack([train[i]["tokens"] for i in range(10)]),
     }

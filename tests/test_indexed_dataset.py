@@ -1,4 +1,4 @@
-"""The .bin/.idx writer and reader: byte layouts, megatron-core conformance, merging, atomicity."""
+"""The .bin/.idx writer and reader: byte layouts, megatron-core conformance, atomicity."""
 
 import os
 import struct
@@ -12,7 +12,6 @@ from megatron_core.data.indexed_dataset import (
     IndexedDataset,
     IndexedDatasetBuilder,
     best_token_dtype,
-    merge_datasets,
 )
 from megatron_core.errors import UserError
 
@@ -173,30 +172,6 @@ def test_we_read_what_megatron_core_writes(tmp_path):
     _build(tmp_path / "ours", dtype=np.int32)
     for ext in ("bin", "idx"):
         assert open(f"{prefix}.{ext}", "rb").read() == open(tmp_path / f"ours.{ext}", "rb").read()
-
-
-@pytest.mark.parametrize("impl", ["mmap", "lazy"])
-def test_merge_datasets(tmp_path, impl):
-    a = _build(tmp_path / "a", DOCUMENTS[:2])
-    b = _build(tmp_path / "b", DOCUMENTS[2:], impl="lazy")  # inputs of either impl
-    summary = merge_datasets([a, b], tmp_path / "out" / "merged", impl=impl)
-    merged = IndexedDataset(tmp_path / "out" / "merged")
-    assert merged.impl == impl
-    assert [merged[i].tolist() for i in range(len(merged))] == _flat(DOCUMENTS)
-    assert merged.document_indices.tolist() == _document_indices(DOCUMENTS)
-    assert summary["documents"] == len(DOCUMENTS) and summary["sequences"] == len(_flat(DOCUMENTS))
-    # Identical to building the whole thing in one go.
-    whole = _build(tmp_path / "whole", impl=impl)
-    for ext in ("bin", "idx"):
-        assert open(f"{whole}.{ext}", "rb").read() == open(tmp_path / "out" / f"merged.{ext}", "rb").read()
-
-
-def test_merge_refuses_mixed_dtypes(tmp_path):
-    a = _build(tmp_path / "a", dtype=np.uint16)
-    b = _build(tmp_path / "b", dtype=np.int32)
-    with pytest.raises(UserError, match="dtype"):
-        merge_datasets([a, b], tmp_path / "m")
-    assert not any(p.name.startswith("m.") for p in tmp_path.iterdir())
 
 
 def test_unfinished_build_leaves_nothing(tmp_path):

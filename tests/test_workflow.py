@@ -89,8 +89,7 @@ def test_tokenizer_on_keys_the_corpus_lacks_says_which_keys_it_has(workdir):
 
 def test_lookups_never_build_and_name_the_task_to_run(tmp_path):
     r = load_recipe("smoke")
-    for lookup, task in ((workflow.corpus_path, "corpus"), (workflow.tokenizer_files, "tokenizer"),
-                         (workflow.data_prefixes, "preprocess")):
+    for lookup, task in ((workflow.tokenizer_files, "tokenizer"), (workflow.data_prefixes, "preprocess")):
         with pytest.raises(UserError, match=f"invoke {task} --recipe smoke"):
             lookup(r, tmp_path)
     assert list(tmp_path.iterdir()) == []  # nothing was built by asking

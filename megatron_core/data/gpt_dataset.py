@@ -322,10 +322,6 @@ class IndexCache:
                 os.remove(path)
 
 
-# Counts cache builds in this process, so tests can prove a second build reused the files.
-BUILD_COUNTER = {"gpt": 0, "blend": 0}
-
-
 def load_or_build(cache: IndexCache, build, what: str) -> Dict[str, np.ndarray]:
     """Each node's local rank 0 builds and saves what the cache lacks; after a barrier every rank
     memory-maps it. Nodes need not share a filesystem; on a shared one two nodes may build the same
@@ -450,7 +446,6 @@ def _gpt_split_datasets(prefix: str, indexed, split: str, seq_length: int, sizes
         documents = np.arange(begin, end, dtype=np.int32)
 
         def build(documents=documents, size=size):
-            BUILD_COUNTER["gpt"] += 1
             return build_gpt_indices(sequence_lengths, documents, seq_length, size, seed).arrays()
 
         indices = load_or_build(cache, build, f"{name} split of {os.path.basename(prefix)} ({size} samples)")
@@ -519,7 +514,6 @@ def _blended_datasets(prefixes, weights, split, seq_length, num_samples, seed, c
         cache = IndexCache(cache_dir, description, f"blend-{name}", ("dataset_index", "dataset_sample_index"))
 
         def build(size=size):
-            BUILD_COUNTER["blend"] += 1
             dataset_index, dataset_sample_index = blending.timed_blending_indices(blend_weights, size, log)
             return {"dataset_index": dataset_index, "dataset_sample_index": dataset_sample_index}
 

@@ -14,15 +14,14 @@ Writers put everything under temporary names and rename only in `finalize`, `.bi
 from __future__ import annotations
 
 import os
-import shutil
 import struct
 from array import array
-from pathlib import Path
 from typing import Iterable, Optional, Sequence, Union
 
 import numpy as np
 
 from megatron_core.errors import UserError
+from megatron_core.files import publish_file
 
 MMAP_MAGIC = b"MMIDIDX\x00\x00"
 LEGACY_MAGIC = b"TNTIDX\x00\x00"
@@ -129,21 +128,6 @@ class IndexedDatasetBuilder:
         self._lengths.extend(lengths)
         self.end_document()
 
-    def add_index(self, other_prefix: PathLike) -> None:
-        """Append every document of another dataset (any impl, same dtype)."""
-        other = IndexedDataset(other_prefix)
-        if other.dtype != self.dtype:
-            raise UserError(
-                f"cannot merge {other_prefix} (dtype {other.dtype}) into a {self.dtype} dataset; "
-                "merge only datasets made with the same tokenizer vocabulary size"
-            )
-        offset = len(self._lengths)
-        self._lengths.extend(other.sequence_lengths.astype(np.int64).tolist())
-        self._document_indices.extend((other.document_indices[1:] + offset).tolist())
-        other.close()
-        with open(bin_path(other_prefix), "rb") as f:
-            shutil.copyfileobj(f, self._data, length=16 << 20)
-
     # -- finishing --------------------------------------------------------------------------
 
     @property
@@ -168,8 +152,8 @@ class IndexedDatasetBuilder:
                 _write_legacy_index(f, self.dtype, lengths, documents)
         if os.path.exists(idx_path):
             os.remove(idx_path)  # an older .idx must never sit beside the new .bin, even for a moment
-        os.replace(self._bin_tmp, self.bin_path)
-        os.replace(self._idx_tmp, idx_path)
+        publish_file(self._bin_tmp, self.bin_path)
+        publish_file(self._idx_tmp, idx_path)
         self._finalized = True
 
     def abort(self) -> None:
@@ -452,23 +436,3 @@ class IndexedDataset:
     def __setstate__(self, state) -> None:
         self.path_prefix = state["path_prefix"]
         self._open(state["impl"])
-
-
-def merge_datasets(prefixes: Sequence[PathLike], output_prefix: PathLike, impl: str = "mmap") -> dict:
-    """Concatenate several datasets (same dtype) into one, documents in the given order."""
-    if not prefixes:
-        raise UserError("merge_datasets needs at least one input prefix")
-    first = IndexedDataset(prefixes[0])
-    dtype = first.dtype
-    first.close()
-    Path(os.fspath(output_prefix)).parent.mkdir(parents=True, exist_ok=True)
-    with IndexedDatasetBuilder(bin_path(output_prefix), dtype=dtype, impl=impl) as builder:
-        for prefix in prefixes:
-            builder.add_index(prefix)
-        builder.finalize(idx_path(output_prefix))
-        return {
-            "output_prefix": os.fspath(output_prefix),
-            "sequences": builder.num_sequences,
-            "documents": builder.num_documents,
-            "dtype": str(dtype),
-        }
