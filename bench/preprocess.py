@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.cli import results_path, write_result
+from megatron_core.config import PythonStdlibSource
 from megatron_core.data.corpus import build_corpus
 from megatron_core.data.indexed_dataset import IndexedDataset
 from megatron_core.data.preprocess import preprocess, preprocess_args
@@ -71,7 +72,7 @@ def run(
     workdir.mkdir(parents=True, exist_ok=True)
     corpus = workdir / "corpus.jsonl"
     t0 = time.perf_counter()
-    corpus_summary = build_corpus([{"type": "python-stdlib"}], corpus, max_bytes=max_bytes)
+    corpus_summary = build_corpus([PythonStdlibSource()], corpus, max_bytes=max_bytes)
     corpus_seconds = time.perf_counter() - t0
 
     # The tokenizer depends only on the corpus and the vocab size: reuse it when both match.

@@ -170,8 +170,8 @@ def build_ours(setup: Setup, recipe: Optional[config.Recipe] = None):
 
 def build_hf(setup: Setup, start_state: dict):
     """(step function -> loss): GPT2LMHeadModel + torch AdamW doing the same work from the same weights."""
+    from megatron_core.config import ModelSpec
     from megatron_core.convert.megatron_to_hf import gpt2_model
-    from megatron_core.convert.shards import shape_from_args
     from megatron_core.training.checkpointing import megatron_args
     from megatron_core.training.lr_schedule import OptimizerParamScheduler
     from megatron_core.optimizer.optimizer import param_groups
@@ -180,8 +180,7 @@ def build_hf(setup: Setup, start_state: dict):
     t = recipe.training
     # The same path a checkpoint of this run takes to transformers: its args, its shape, its GPT2 config.
     args = megatron_args(recipe, setup.padded_vocab, iteration=0, consumed_train_samples=0, params_dtype="float32")
-    shape = shape_from_args(args)
-    model = gpt2_model(start_state, shape, setup.eod, args, "sdpa")
+    model = gpt2_model(start_state, ModelSpec.from_args(args), setup.eod, args, "sdpa")
     # Like with like: in bf16/fp16 the model holds 16-bit weights, as ours does, and torch AdamW steps
     # fp32 master copies that are copied back after each step (mixed precision by hand, the textbook
     # recipe). Ours keeps fp32 masters too, so both sides run the same 16-bit GEMMs and the same casts.

@@ -18,18 +18,18 @@ from __future__ import annotations
 import argparse
 import errno
 import json
-import os
 import re
 import shutil
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 import numpy as np
 import torch
 
 from megatron_core.errors import UserError
-from megatron_core.files import replace_atomically
+from megatron_core.files import publish_directory, remove_directory, replace_atomically
 
 CHECKPOINT_VERSION = 3.0
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
@@ -140,26 +140,43 @@ def model_chunks(checkpoint: dict, where="checkpoint") -> list[dict]:
 # ----------------------------------------------------------------------------------------------
 # Merging and splitting over TP x PP (docs/checkpoint-format.md, "Shapes per TP rank"): what convert
 # and a resume under another layout share. A "full" state uses the canonical names: flat, global
-# layer numbers, no word_embeddings_for_head (a copy of the word embedding).
+# layer numbers, no word_embeddings_for_head (a copy of the word embedding). How each tensor splits
+# is not written here: the model declares it (models.gpt.parameter_sharding, from the attributes its
+# tensor-parallel layers set) and the caller passes that map in.
 # ----------------------------------------------------------------------------------------------
 
-_VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "word_embeddings_for_head.weight", "output_layer.weight")
-_COLUMN_PARALLEL = ("self_attention.query_key_value.weight", "self_attention.query_key_value.bias",
-                    "mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias")
-_ROW_PARALLEL = ("self_attention.dense.weight", "mlp.dense_4h_to_h.weight")
 LAYER_KEY = re.compile(r"^encoder\.layers\.(\d+)\.(.+)$")
 
 
-def tp_partition_dim(name: str) -> Optional[int]:
-    """The dimension a tensor-parallel weight is split along; None for a replicated one."""
-    if name in _VOCAB_PARALLEL or name.endswith(_COLUMN_PARALLEL):
-        return 0
-    if name.endswith(_ROW_PARALLEL):
-        return 1
-    return None
+@dataclass(frozen=True)
+class TensorSharding:
+    """How one parameter lies across TP ranks, as its layer declared it."""
+
+    partition_dim: Optional[int]  # the dim it is split along; None: whole (replicated) on every TP rank
+    vocab_padded: bool = False  # its partition dim is the padded vocabulary
 
 
-def merge_rank_states(stage_states: dict, tp: int, pp: int) -> dict[str, torch.Tensor]:
+# {layer-generic name: sharding}; a transformer layer's parameters appear once, as `encoder.layers.*.<rest>`.
+ShardingMap = Mapping[str, TensorSharding]
+
+
+def layer_generic_name(name: str) -> str:
+    """`encoder.layers.<i>.<rest>` -> `encoder.layers.*.<rest>`: a sharding map's key (every layer splits alike)."""
+    match = LAYER_KEY.match(name)
+    return f"encoder.layers.*.{match.group(2)}" if match else name
+
+
+def sharding_of(sharding: ShardingMap, name: str) -> TensorSharding:
+    """The declared sharding of checkpoint tensor `name`; a name the model does not have is refused."""
+    found = sharding.get(layer_generic_name(name))
+    if found is None:
+        raise CheckpointError(f"the checkpoint holds {name!r}, which this GPT model does not have (its parameters: "
+                              f"{', '.join(sorted(sharding))}); only checkpoints of this project's GPT (Megatron's "
+                              "GPT layout) merge or split")
+    return found
+
+
+def merge_rank_states(stage_states: dict, tp: int, pp: int, sharding: ShardingMap) -> dict[str, torch.Tensor]:
     """{(tp rank, pp rank): flat state, stage-local layer numbers} -> the full state. TP shards are
     concatenated along their partition dim; replicated tensors must be bitwise equal across TP ranks."""
     merged: dict[str, torch.Tensor] = {}
@@ -174,7 +191,7 @@ def merge_rank_states(stage_states: dict, tp: int, pp: int) -> dict[str, torch.T
                                       "shards from different models are mixed")
         for name in names:
             parts = [r[name] for r in per_rank]
-            dim = tp_partition_dim(name)
+            dim = sharding_of(sharding, name).partition_dim
             if dim is None:
                 full = parts[0]
                 if any(not torch.equal(full, p) for p in parts[1:]):
@@ -193,12 +210,13 @@ def merge_rank_states(stage_states: dict, tp: int, pp: int) -> dict[str, torch.T
 
 
 def split_rank_state(state: dict, tp: int, pp: int, tp_rank: int, pp_rank: int, *, num_layers: int,
-                     tied: bool) -> dict[str, torch.Tensor]:
+                     tied: bool, sharding: ShardingMap) -> dict[str, torch.Tensor]:
     """The full state -> one rank's flat state (the inverse of merge_rank_states for that rank)."""
     per_stage = num_layers // pp
     first, last = pp_rank == 0, pp_rank == pp - 1
     flat = {}
     for name, tensor in state.items():
+        dim = sharding_of(sharding, name).partition_dim
         match = LAYER_KEY.match(name)
         if match:
             layer = int(match.group(1)) - pp_rank * per_stage
@@ -209,7 +227,6 @@ def split_rank_state(state: dict, tp: int, pp: int, tp_rank: int, pp_rank: int, 
                 names.append(_HEAD_PREFIX + "weight")
         else:  # final layernorm, output layer
             names = [name] if last else []
-        dim = tp_partition_dim(name)
         for target in names:
             flat[target] = (tensor.chunk(tp, dim=dim)[tp_rank] if dim is not None else tensor).clone()
     return flat
@@ -219,17 +236,18 @@ def split_rank_state(state: dict, tp: int, pp: int, tp_rank: int, pp_rank: int, 
 # pipeline position c x PP + r of PP x chunks positions in model order (parallel_state.stage_layers),
 # so the rules above serve it unchanged, one position per (PP rank, chunk).
 
-def merge_chunked_states(rank_chunks: dict, tp: int, pp: int) -> dict[str, torch.Tensor]:
+def merge_chunked_states(rank_chunks: dict, tp: int, pp: int, sharding: ShardingMap) -> dict[str, torch.Tensor]:
     """{(tp rank, pp rank): [flat state of chunk 0, chunk 1, ...]} -> the full state."""
     chunks = len(next(iter(rank_chunks.values())))
     positions = {(t, c * pp + r): states[c] for (t, r), states in rank_chunks.items() for c in range(chunks)}
-    return merge_rank_states(positions, tp, pp * chunks)
+    return merge_rank_states(positions, tp, pp * chunks, sharding)
 
 
 def split_chunked_state(state: dict, tp: int, pp: int, tp_rank: int, pp_rank: int, chunks: int, *,
-                        num_layers: int, tied: bool) -> list[dict[str, torch.Tensor]]:
+                        num_layers: int, tied: bool, sharding: ShardingMap) -> list[dict[str, torch.Tensor]]:
     """The full state -> one rank's flat states, one per model chunk (the inverse of merge_chunked_states)."""
-    return [split_rank_state(state, tp, pp * chunks, tp_rank, c * pp + pp_rank, num_layers=num_layers, tied=tied)
+    return [split_rank_state(state, tp, pp * chunks, tp_rank, c * pp + pp_rank, num_layers=num_layers, tied=tied,
+                             sharding=sharding)
             for c in range(chunks)]
 
 
@@ -444,20 +462,6 @@ def write_tokenizer_files(save: Path, vocab_file, merge_file) -> None:
         replace_atomically(target, lambda tmp, source=source: shutil.copyfile(source, tmp))
 
 
-def _fsync_dir(path: Path) -> None:
-    """Make a rename inside `path` durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def write_rank_file(save: Path, iteration, tp_rank: int, pp_rank: int, pp_size: int, state: dict,
                     filename: str = MODEL_FILENAME) -> Path:
     """One rank's file into the iteration's staging directory (atomic, fsynced), its size and crc32
@@ -548,10 +552,7 @@ def prune_iterations(save: Path, iteration: int, keep_last: Optional[int]) -> li
     older = [(n, d) for n, d in published_iterations(save).items() if n <= iteration][keep_last:]
     removed = []
     for _, where in older:
-        doomed = where.with_name(where.name + ".pruned")
-        shutil.rmtree(doomed, ignore_errors=True)
-        os.replace(where, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
+        remove_directory(where)
         removed.append(where)
     return removed
 
@@ -566,16 +567,10 @@ def publish_iteration(save: Path, iteration, keep_last: Optional[int] = None,
     final_dir, tmp_dir = iteration_dir(save, iteration), staging_dir(save, iteration)
     write_manifest(tmp_dir, iteration, manifest_name)
     old = final_dir.with_name(final_dir.name + ".old")
-    if final_dir.exists():  # re-saving an iteration: move the old one aside
-        if read_tracker_leniently(save)[0] == iteration:
-            _point_tracker_before(save, iteration)
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final_dir, old)
-        _fsync_dir(save)
-    os.replace(tmp_dir, final_dir)
-    _fsync_dir(save)
+    if final_dir.exists() and read_tracker_leniently(save)[0] == iteration:
+        _point_tracker_before(save, iteration)  # re-saving the tracker's iteration
+    publish_directory(tmp_dir, final_dir, set_aside=old)  # a re-saved iteration's old copy waits in .old
     atomic_write_text(save / TRACKER_FILENAME, f"{iteration}\n")
-    _fsync_dir(save)
     shutil.rmtree(old, ignore_errors=True)
     prune_iterations(save, iteration, keep_last)
     return final_dir

@@ -17,8 +17,9 @@ as a single process: world 1, rank 0, group None, first and last pipeline stage.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch.distributed as dist
 
@@ -45,51 +46,17 @@ class RankLayout:
     embedding: list[list[int]]  # first and last stage of each pipeline (one rank when PP == 1)
 
 
-def validate_layout(world_size: int, tp: int, pp: int, num_attention_heads: Optional[int] = None,
-                    num_layers: Optional[int] = None, *, ffn_hidden_size: Optional[int] = None,
-                    padded_vocab_size: Optional[int] = None, seq_length: Optional[int] = None,
-                    sequence_parallel: bool = False, global_batch_size: Optional[int] = None,
-                    micro_batch_size: Optional[int] = None,
-                    num_layers_per_virtual_pipeline_stage: Optional[int] = None) -> None:
-    """Refuse a layout that cannot work, with one message naming every number that disagrees."""
+def _check_world(world_size: int, tp: int, pp: int) -> None:
+    """Refuse sizes the groups cannot be cut from: the world must split into TP x PP blocks. The model's
+    shape and layout rules are config.ModelSpec's (recipe validation and GPTModel ask it)."""
     problems = [f"{name} must be >= 1 (got {value})"
                 for name, value in (("world size", world_size), ("tensor_model_parallel_size", tp),
                                     ("pipeline_model_parallel_size", pp)) if value < 1]
-    if problems:
-        raise ParallelLayoutError("impossible parallel layout: " + "; ".join(problems))
-    if world_size % (tp * pp):
+    if not problems and world_size % (tp * pp):
         problems.append(f"world size {world_size} is not divisible by tensor_model_parallel_size {tp} x "
                         f"pipeline_model_parallel_size {pp} = {tp * pp}")
-    if num_attention_heads is not None and num_attention_heads % tp:
-        problems.append(f"num_attention_heads {num_attention_heads} is not divisible by "
-                        f"tensor_model_parallel_size {tp}")
-    if ffn_hidden_size is not None and ffn_hidden_size % tp:
-        problems.append(f"ffn_hidden_size {ffn_hidden_size} is not divisible by tensor_model_parallel_size {tp}")
-    if padded_vocab_size is not None and padded_vocab_size % tp:
-        problems.append(f"padded vocabulary {padded_vocab_size} is not divisible by tensor_model_parallel_size {tp}")
-    if num_layers is not None and num_layers % pp:
-        problems.append(f"num_layers {num_layers} is not divisible by pipeline_model_parallel_size {pp}")
-    vls = num_layers_per_virtual_pipeline_stage
-    if vls is not None:
-        if vls < 1 or pp < 2:
-            problems.append(f"num_layers_per_virtual_pipeline_stage {vls} needs a value >= 1 and "
-                            f"pipeline_model_parallel_size >= 2 (got {pp})")
-        elif num_layers is not None and num_layers % (pp * vls):
-            problems.append(f"num_layers {num_layers} is not divisible by pipeline_model_parallel_size {pp} x "
-                            f"num_layers_per_virtual_pipeline_stage {vls} = {pp * vls}")
-    if sequence_parallel and tp == 1:
-        problems.append("sequence_parallel needs tensor_model_parallel_size > 1")
-    if sequence_parallel and seq_length is not None and seq_length % tp:
-        problems.append(f"seq_length {seq_length} is not divisible by tensor_model_parallel_size {tp} "
-                        "(sequence parallel splits the sequence)")
-    if global_batch_size is not None and micro_batch_size is not None and not world_size % (tp * pp):
-        dp = world_size // (tp * pp)
-        if global_batch_size % (micro_batch_size * dp):
-            problems.append(f"global_batch_size {global_batch_size} is not divisible by micro_batch_size "
-                            f"{micro_batch_size} x data-parallel size {dp}")
     if problems:
-        raise ParallelLayoutError("impossible parallel layout: " + "; ".join(problems)
-                                  + "; change the recipe's parallel sizes or model shape")
+        raise ParallelLayoutError("impossible parallel layout: " + "; ".join(problems))
 
 
 def stage_layers(num_layers: int, pp: int, pp_rank: int, *,
@@ -110,7 +77,7 @@ def stage_layers(num_layers: int, pp: int, pp_rank: int, *,
 
 
 def rank_layout(world_size: int, tp: int, pp: int) -> RankLayout:
-    validate_layout(world_size, tp, pp)
+    _check_world(world_size, tp, pp)
     dp = world_size // (tp * pp)
 
     def rank(t: int, d: int, p: int) -> int:
@@ -227,6 +194,21 @@ def destroy_model_parallel() -> None:
         if entry.group is not None and dist.is_initialized():
             dist.destroy_process_group(entry.group)
     _GROUPS.clear()
+
+
+@contextmanager
+def single_process_view() -> Iterator[None]:
+    """Inside, every query answers as a single process; the groups stay built and answer again after. What
+    building a model on the meta device to read its structure needs, whatever this process's layout."""
+    global _VIRTUAL_PIPELINE_WORLD_SIZE
+    saved, saved_virtual = dict(_GROUPS), _VIRTUAL_PIPELINE_WORLD_SIZE
+    _GROUPS.clear()
+    _VIRTUAL_PIPELINE_WORLD_SIZE = None
+    try:
+        yield
+    finally:
+        _GROUPS.update(saved)
+        _VIRTUAL_PIPELINE_WORLD_SIZE = saved_virtual
 
 
 def _group(kind: str) -> Optional[_Group]:

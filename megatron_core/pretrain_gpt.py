@@ -22,7 +22,7 @@ import torch
 
 from megatron_core import parallel_state as ps
 from megatron_core import workflow
-from megatron_core.config import Recipe, load_recipe
+from megatron_core.config import Recipe, load_recipe, validate
 from megatron_core.errors import UserError
 from megatron_core.log import configure as configure_logging
 
@@ -34,27 +34,12 @@ class TrainingConfigError(UserError):
 
 
 def check_training_values(recipe: Recipe) -> None:
-    """Refuse, before any work, values the schema allows but training cannot use."""
-    t, m = recipe.training, recipe.model
-    # (key, value, holds, what it must be): one line each, in the order people read the recipe
-    bounds = [
-        ("training.lr", t.lr, t.lr > 0, "> 0"),
-        ("training.min_lr", t.min_lr, t.min_lr >= 0, ">= 0"),
-        ("training.lr_warmup_iters", t.lr_warmup_iters, t.lr_warmup_iters >= 0, ">= 0"),
-        ("training.weight_decay", t.weight_decay, t.weight_decay >= 0, ">= 0"),
-        ("training.adam_beta1", t.adam_beta1, 0.0 <= t.adam_beta1 < 1.0, "in [0, 1)"),
-        ("training.adam_beta2", t.adam_beta2, 0.0 <= t.adam_beta2 < 1.0, "in [0, 1)"),
-        ("training.adam_eps", t.adam_eps, t.adam_eps > 0, "> 0"),
-        ("training.clip_grad", t.clip_grad, t.clip_grad >= 0, ">= 0 (0 turns clipping off;"),
-        ("training.eval_iters", t.eval_iters, t.eval_iters >= 0, ">= 0"),
-        ("training.save_interval", t.save_interval, t.save_interval is None or t.save_interval >= 1, ">= 1 or null"),
-        ("model.init_method_std", m.init_method_std, m.init_method_std > 0, "> 0"),
-    ]
-    problems = [f"{key} must be {must}{' ' if must.endswith(';') else ' ('}got {value})"
-                for key, value, holds, must in bounds if not holds]
-    if t.lr_decay_style != "constant" and t.decay_iters <= t.lr_warmup_iters:
-        problems.append(f"training.lr_decay_iters ({t.decay_iters}) must exceed lr_warmup_iters "
-                        f"({t.lr_warmup_iters}) for {t.lr_decay_style} decay")
+    """Refuse, before any work, what the recipe's own validation cannot know: whether this host can train it
+    (fp16 and Apex's FusedAdam need CUDA). Every rule on the values alone is config.validate's, applied
+    here too for a recipe not made by load_recipe."""
+    validate(recipe)
+    t = recipe.training
+    problems = []
     if t.fp16 and trains_on(recipe) == "cpu":
         where = "cpu" if t.device == "cpu" else f"{t.device} (no CUDA GPU visible, so cpu)"
         problems.append(f"training.fp16 needs a CUDA GPU but training.device is {where}: fp16 is for GPUs (no "
@@ -65,12 +50,6 @@ def check_training_values(recipe: Recipe) -> None:
 
         problem = fused_adam_problem(trains_on(recipe))
         problems += [problem] if problem else []
-    if t.fp16:
-        if not 0 < t.min_loss_scale <= t.initial_loss_scale:
-            problems.append(f"training.min_loss_scale {t.min_loss_scale} must be in (0, initial_loss_scale "
-                            f"{t.initial_loss_scale}]")
-        if t.loss_scale_window < 1 or t.hysteresis < 1:
-            problems.append("training.loss_scale_window and training.hysteresis must be >= 1")
     if problems:
         raise TrainingConfigError("cannot train this recipe: " + "; ".join(problems))
 

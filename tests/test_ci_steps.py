@@ -32,7 +32,8 @@ def test_bootstrap_refuses_an_unknown_argument_before_touching_anything(tmp_path
 
 @pytest.mark.slow
 def test_smoke_tp2pp2_end_to_end_matches_its_golden(tmp_path):
-    env = {**os.environ, "WORKDIR": str(tmp_path), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    venv_bin = Path(sys.executable).parent  # smoke.sh calls invoke and python from the venv
+    env = {**os.environ, "WORKDIR": str(tmp_path), "PATH": f"{venv_bin}{os.pathsep}{os.environ['PATH']}"}
     proc = subprocess.run(["bash", str(ROOT / "ci" / "smoke.sh"), "smoke-tp2pp2"], capture_output=True, text=True,
                           timeout=600, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

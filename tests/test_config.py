@@ -37,7 +37,7 @@ def test_codeparrot_small_is_the_public_run():
             == (2000, 150000, 0.1, 0.999, True))
     assert (t.log_interval, t.save_interval, t.eval_interval, t.eval_iters) == (10, 2000, 200, 10)
     assert d.split == "969,30,1" and d.json_keys == ["content"] and d.append_eod
-    assert r.corpus.sources[0]["name"] == "codeparrot/codeparrot-clean-train"
+    assert r.corpus.sources[0].name == "codeparrot/codeparrot-clean-train"
     assert r.padded_vocab_size(32768) == 32768 and r.padded_vocab_size(50257) == 50304
     assert r.num_parameters(32768) == 111_008_256
     assert r.evaluate.reference["pass@1"] == pytest.approx(0.038)
@@ -92,6 +92,9 @@ def test_wrong_type_names_key_value_and_expected_type():
         ({"training": {"fp16": True, "bf16": True}}, "choose one"),
         ({"data": {"split": "a,b"}}, "data.split"),
         ({"tokenizer": {"vocab_file": "v.json"}}, "give both or neither"),
+        ({"training": {"lr": 0.0}}, r"training.lr must be > 0 \(got 0.0\)"),
+        ({"training": {"clip_grad": -1.0}}, r"training.clip_grad must be >= 0 \(0 turns clipping off; got -1.0\)"),
+        ({"training": {"fp16": True, "min_loss_scale": 0.0}}, r"training.min_loss_scale 0.0 must be in \(0, "),
     ],
 )
 def test_impossible_combinations_refused(sections, message):

@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_core.convert import convert_checkpoint, import_hf_model, load_megatron_model, read_checkpoint
+from megatron_core.convert import convert_checkpoint, import_hf_model, read_checkpoint
 from megatron_core.evaluate.generate import SamplingConfig, generate
 from test_convert_fixtures import (  # noqa: F401  (fixtures)
     PADDED_VOCAB,
     fixture_tokenizer_files,
     fixture_tp1_checkpoint,
+    load_megatron_model,
     random_full_state,
     read_json,
     save_layout,

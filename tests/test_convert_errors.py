@@ -68,7 +68,7 @@ def test_not_a_checkpoint(tmp_path):
 
 def test_tp_that_does_not_divide(tp1_checkpoint, tmp_path):
     convert_checkpoint(tp1_checkpoint[0], tmp_path / "hf")
-    with pytest.raises(UserError, match="attention heads 4 is not divisible by TP 3"):
+    with pytest.raises(UserError, match="model.num_attention_heads 4 is not divisible by TP 3"):
         import_hf_model(tmp_path / "hf", tmp_path / "back", tp=3)
     with pytest.raises(UserError, match="num_layers 4 is not divisible by PP 3"):
         import_hf_model(tmp_path / "hf", tmp_path / "back", pp=3)
@@ -130,3 +130,17 @@ def test_mixed_shards_of_a_legacy_checkpoint_without_recipe_hash(tp1_checkpoint,
     shutil.copyfile(b / rel, a / rel)
     with pytest.raises(UserError, match="different copies of the replicated .*different runs"):
         read_checkpoint(a)
+
+
+def test_a_weight_the_gpt_does_not_have_is_refused(tp2):
+    """A layer the model does not declare (here an extra MLP gate) is named, not merged as if replicated."""
+    from megatron_core.checkpoint_format import load_checkpoint_file
+
+    gate = torch.ones(4, 4)  # the same on both TP ranks: a name-blind merge would take it for a replicated weight
+    for path in tp2.glob("iter_*/*/model_optim_rng.pt"):
+        obj = load_checkpoint_file(path)
+        obj["model"]["language_model"]["encoder"]["layers.0.mlp.gate.weight"] = gate
+        torch.save(obj, path)
+    (tp2 / "iter_0000010" / "manifest.json").unlink()  # its crc32 would refuse the edited files first
+    with pytest.raises(UserError, match=r"weights this converter does not know: \['encoder.layers.0.mlp.gate.weight'"):
+        read_checkpoint(tp2)

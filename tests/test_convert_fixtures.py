@@ -6,15 +6,17 @@ TP 1 x PP 1, its nest_model_state per shard for other layouts).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
-from megatron_core.config import recipe_from_dict
+from megatron_core.config import ModelSpec, ParallelConfig, recipe_from_dict
 from megatron_core.checkpoint_format import write_checkpoint
-from megatron_core.convert.shards import ModelShape, split_state
+from megatron_core.convert.shards import read_checkpoint, split_state
 from megatron_core.training.checkpointing import megatron_args, save_checkpoint
 
 CORPUS = [
@@ -64,11 +66,29 @@ def random_full_state(recipe, seed: int = 0) -> dict:
     return {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in model.state_dict().items()}
 
 
-def shape_of(recipe) -> ModelShape:
-    m = recipe.model
-    return ModelShape(m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_size, PADDED_VOCAB,
-                      m.max_position_embeddings, m.gelu_approximation, not m.untie_embeddings_and_output_weights,
-                      m.layernorm_epsilon)
+class MegatronCausalLM(nn.Module):
+    """GPTModel with position ids filled in: forward(input_ids [b, s]) -> logits [b, s, V] (fp32). Its `gpt`
+    and `spec` are what evaluate.runner.load_for_evaluation takes from a loaded model of ours."""
+
+    def __init__(self, gpt: nn.Module, spec: ModelSpec) -> None:
+        super().__init__()
+        self.gpt, self.spec = gpt, spec
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        return self.gpt(input_ids, positions).float()
+
+
+def load_megatron_model(load_dir) -> MegatronCausalLM:
+    """Every shard of a checkpoint of any layout, merged into one single-process fp32 GPTModel (eval mode):
+    the reference the converted and evaluated models are compared with."""
+    from megatron_core.models.gpt import GPTModel
+
+    ckpt = read_checkpoint(load_dir)
+    gpt = GPTModel(ckpt.spec.to_model_config(), ParallelConfig(), ckpt.spec.padded_vocab_size, pre_process=True,
+                   post_process=True, layer_offset=0, init_seed=0)
+    gpt.load_state_dict({k: v.float() for k, v in ckpt.state.items()}, strict=True)
+    return MegatronCausalLM(gpt.float().eval(), ckpt.spec)
 
 
 def save_tp1(save: Path, recipe, state: dict, vocab: Path, merges: Path, iteration: int = 10,
@@ -85,7 +105,8 @@ def save_layout(save: Path, recipe, state: dict, vocab: Path, merges: Path, tp: 
                 iteration: int = 10) -> Path:
     args = megatron_args(recipe, PADDED_VOCAB, iteration=iteration, consumed_train_samples=0, params_dtype="float32")
     args.vocab_file, args.merge_file = str(vocab), str(merges)
-    models = split_state(state, shape_of(recipe), tp, pp)
+    spec = dataclasses.replace(ModelSpec.from_recipe(recipe, PADDED_VOCAB), tp=tp, pp=pp, world_size=None)
+    models = split_state(state, spec)
     write_checkpoint(save, models, args, iteration, {"recipe": recipe.to_dict(), "recipe_hash": recipe.hash})
     return save
 

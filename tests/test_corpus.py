@@ -3,10 +3,12 @@
 import gzip
 import json
 import sysconfig
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from megatron_core.config import HfDatasetSource, JsonlSource, PythonStdlibSource
 from megatron_core.data.corpus import build_corpus
 from megatron_core.errors import UserError
 
@@ -16,8 +18,8 @@ def _lines(path):
 
 
 def test_python_stdlib_is_sorted_deterministic_and_real(tmp_path):
-    s1 = build_corpus([{"type": "python-stdlib"}], tmp_path / "a.jsonl", max_documents=40)
-    build_corpus([{"type": "python-stdlib"}], tmp_path / "b.jsonl", max_documents=40)
+    s1 = build_corpus([PythonStdlibSource()], tmp_path / "a.jsonl", max_documents=40)
+    build_corpus([PythonStdlibSource()], tmp_path / "b.jsonl", max_documents=40)
     assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
     docs = _lines(tmp_path / "a.jsonl")
     assert s1["documents"] == 40 and len(docs) == 40
@@ -29,18 +31,18 @@ def test_python_stdlib_is_sorted_deterministic_and_real(tmp_path):
 
 
 def test_stdlib_shuffle_seed_is_a_fixed_permutation_of_the_same_files(tmp_path):
-    build_corpus([{"type": "python-stdlib", "shuffle_seed": 7}], tmp_path / "a.jsonl", max_bytes=2_000_000)
-    build_corpus([{"type": "python-stdlib", "shuffle_seed": 7}], tmp_path / "b.jsonl", max_bytes=2_000_000)
+    build_corpus([PythonStdlibSource(shuffle_seed=7)], tmp_path / "a.jsonl", max_bytes=2_000_000)
+    build_corpus([PythonStdlibSource(shuffle_seed=7)], tmp_path / "b.jsonl", max_bytes=2_000_000)
     assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
     shuffled = [d["path"] for d in _lines(tmp_path / "a.jsonl")]
     assert shuffled != sorted(shuffled)  # drawn from the whole library, not its first packages
     assert len({p.split("/")[0] for p in shuffled}) > 10
-    other = build_corpus([{"type": "python-stdlib", "shuffle_seed": 8}], tmp_path / "c.jsonl", max_documents=20)
+    other = build_corpus([PythonStdlibSource(shuffle_seed=8)], tmp_path / "c.jsonl", max_documents=20)
     assert other["documents"] == 20 and [d["path"] for d in _lines(tmp_path / "c.jsonl")] != shuffled[:20]
 
 
 def test_stdlib_excludes_site_packages_and_respects_max_bytes(tmp_path):
-    summary = build_corpus([{"type": "python-stdlib"}], tmp_path / "c.jsonl", max_bytes=300_000)
+    summary = build_corpus([PythonStdlibSource()], tmp_path / "c.jsonl", max_bytes=300_000)
     docs = _lines(tmp_path / "c.jsonl")
     assert 0 < summary["content_bytes"] <= 300_000
     assert sum(len(d["content"].encode()) for d in docs) == summary["content_bytes"]
@@ -52,8 +54,8 @@ def test_jsonl_and_gz_globs(tmp_path):
     (tmp_path / "in" / "a.jsonl").write_text(json.dumps({"code": "a = 1"}) + "\n\n" + json.dumps({"code": "b"}) + "\n")
     with gzip.open(tmp_path / "in" / "b.jsonl.gz", "wt", encoding="utf-8") as f:
         f.write(json.dumps({"code": "ü"}) + "\n")
-    source = {"type": "jsonl", "paths": [str(tmp_path / "in" / "*.jsonl*")], "key": "code"}
-    summary = build_corpus([source, {"type": "python-stdlib"}], tmp_path / "out.jsonl", max_documents=5)
+    source = JsonlSource(paths=(str(tmp_path / "in" / "*.jsonl*"),), key="code")
+    summary = build_corpus([source, PythonStdlibSource()], tmp_path / "out.jsonl", max_documents=5)
     docs = _lines(tmp_path / "out.jsonl")
     assert [d["content"] for d in docs[:3]] == ["a = 1", "b", "ü"]
     assert docs[1]["line"] == 3 and docs[2]["path"].endswith("b.jsonl.gz")
@@ -65,17 +67,16 @@ def test_hf_dataset_from_disk_and_parquet_folder(tmp_path):
 
     rows = {"content": ["def a(): pass", "x = 2", "print(3)"], "repo": ["r1", "r2", "r3"]}
     datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows)}).save_to_disk(str(tmp_path / "saved"))
-    source = {"type": "hf-dataset", "name": str(tmp_path / "saved"), "revision": "local", "split": "train",
-              "key": "content"}
+    source = HfDatasetSource(name=str(tmp_path / "saved"), revision="local", split="train", key="content")
     build_corpus([source], tmp_path / "a.jsonl")
     docs = _lines(tmp_path / "a.jsonl")
     assert [d["content"] for d in docs] == rows["content"] and docs[2]["row"] == 2
     (tmp_path / "pq").mkdir()
     datasets.Dataset.from_dict(rows).to_parquet(str(tmp_path / "pq" / "part-0.parquet"))
-    build_corpus([{**source, "name": str(tmp_path / "pq")}], tmp_path / "b.jsonl", max_documents=2)
+    build_corpus([replace(source, name=str(tmp_path / "pq"))], tmp_path / "b.jsonl", max_documents=2)
     assert [d["content"] for d in _lines(tmp_path / "b.jsonl")] == rows["content"][:2]
     with pytest.raises(UserError, match="key 'text'"):
-        build_corpus([{**source, "key": "text"}], tmp_path / "c.jsonl")
+        build_corpus([replace(source, key="text")], tmp_path / "c.jsonl")
     assert not (tmp_path / "c.jsonl").exists()
 
 
@@ -86,30 +87,28 @@ def test_hub_dataset_without_internet_is_a_user_error(tmp_path, monkeypatch):
     # Offline mode as the library sees it (read at import), so the test does not wait on the network.
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    source = {"type": "hf-dataset", "name": "nobody/no-such-dataset-xyz", "revision": "abc123", "split": "train"}
+    source = HfDatasetSource(name="nobody/no-such-dataset-xyz", revision="abc123", split="train")
     with pytest.raises(UserError, match="cannot resolve dataset nobody/no-such-dataset-xyz"):
         build_corpus([source], tmp_path / "x.jsonl")
     with pytest.raises(UserError, match="pin a 'revision'"):
-        build_corpus([{**source, "revision": None}], tmp_path / "x.jsonl")
+        build_corpus([replace(source, revision=None)], tmp_path / "x.jsonl")
 
 
 def test_bad_sources_leave_no_file(tmp_path):
-    with pytest.raises(UserError, match="unknown type 'ftp'"):
-        build_corpus([{"type": "ftp"}], tmp_path / "x.jsonl")
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"content": "ok"}) + "\n{oops\n")
     with pytest.raises(UserError, match=r"bad\.jsonl line 2: malformed JSON"):
-        build_corpus([{"type": "jsonl", "paths": [str(bad)]}], tmp_path / "x.jsonl")
+        build_corpus([JsonlSource(paths=(str(bad),))], tmp_path / "x.jsonl")
     with pytest.raises(UserError, match="matches no file"):
-        build_corpus([{"type": "jsonl", "paths": [str(tmp_path / "none*.jsonl")]}], tmp_path / "x.jsonl")
+        build_corpus([JsonlSource(paths=(str(tmp_path / "none*.jsonl"),))], tmp_path / "x.jsonl")
     latin = tmp_path / "latin.jsonl"
     latin.write_bytes(json.dumps({"content": "ok"}).encode() + b"\n" + b'{"content": "caf\xe9"}\n')
     with pytest.raises(UserError, match=r"latin\.jsonl line 2: not UTF-8 .*re-encode"):
-        build_corpus([{"type": "jsonl", "paths": [str(latin)]}], tmp_path / "x.jsonl")
+        build_corpus([JsonlSource(paths=(str(latin),))], tmp_path / "x.jsonl")
     fake_gz = tmp_path / "plain.jsonl.gz"
     fake_gz.write_text(json.dumps({"content": "not compressed"}) + "\n")
     with pytest.raises(UserError, match=r"cannot read .*plain\.jsonl\.gz: BadGzipFile"):
-        build_corpus([{"type": "jsonl", "paths": [str(fake_gz)]}], tmp_path / "x.jsonl")
+        build_corpus([JsonlSource(paths=(str(fake_gz),))], tmp_path / "x.jsonl")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "latin.jsonl", "plain.jsonl.gz"]
 
 
@@ -144,7 +143,7 @@ def test_a_moving_revision_is_unpinned_and_the_resolved_commit_is_recorded(tmp_p
 
     monkeypatch.setattr(huggingface_hub, "HfApi", Api)
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
-    summary = build_corpus([{"type": "hf-dataset", "name": "org/data", "revision": "main"}], tmp_path / "c.jsonl")
+    summary = build_corpus([HfDatasetSource(name="org/data", revision="main")], tmp_path / "c.jsonl")
     assert loaded["revision"] == Info.sha  # the data was read at the resolved commit, not at a moving branch
     assert summary["resolved_revisions"] == {"org/data": Info.sha}
 
@@ -154,7 +153,7 @@ def test_stdlib_corpus_records_and_is_keyed_by_the_python_version(tmp_path, monk
 
     from megatron_core.config import load_recipe
 
-    summary = build_corpus([{"type": "python-stdlib"}], tmp_path / "c.jsonl", max_documents=3)
+    summary = build_corpus([PythonStdlibSource()], tmp_path / "c.jsonl", max_documents=3)
     assert summary["python"] == platform.python_version()
     recipe = load_recipe("codeparrot-tiny")
     here = {stage: recipe.stage_hash(stage) for stage in ("corpus", "tokenizer", "preprocess", "train")}

@@ -25,6 +25,7 @@ from megatron_core.evaluate.generate import (
 )
 from test_convert_fixtures import (  # noqa: F401
     CORPUS,
+    load_megatron_model,
     random_full_state,
     read_json,
     save_tp1,
@@ -59,7 +60,6 @@ def eval_setup(tmp_path_factory, tokenizer_files):
 def test_perplexity_of_checkpoint_and_hf_dir_equal_our_fp32_full_recompute(eval_setup):
     """The reference is the path evaluation took before it moved to the device: our own GPTModel
     (MegatronCausalLM) in fp32 on the CPU, one sequence at a time."""
-    from megatron_core.convert import load_megatron_model
     from megatron_core.evaluate.perplexity import evaluate_perplexity
     from megatron_core.evaluate.runner import recipe_datasets
 

@@ -42,22 +42,16 @@ def test_pp3_middle_stage_is_not_in_an_embedding_group():
     assert all(2 not in g and 3 not in g for g in layout.embedding)
 
 
-def test_validate_layout_names_every_number_that_disagrees():
+def test_a_world_that_does_not_split_into_tp_x_pp_blocks_is_refused():
+    """The group arithmetic checks only the world against TP x PP; the model's rules are ModelSpec's
+    (tests/test_model_spec.py)."""
     with pytest.raises(ps.ParallelLayoutError) as info:
-        ps.validate_layout(6, 4, 1, num_attention_heads=6, num_layers=5)
-    message = str(info.value)
-    assert "world size 6 is not divisible by tensor_model_parallel_size 4 x pipeline_model_parallel_size 1" in message
-    assert "num_attention_heads 6 is not divisible by tensor_model_parallel_size 4" in message
+        ps.rank_layout(6, 4, 1)
+    assert str(info.value) == ("impossible parallel layout: world size 6 is not divisible by "
+                               "tensor_model_parallel_size 4 x pipeline_model_parallel_size 1 = 4")
     assert isinstance(info.value, UserError)
-    with pytest.raises(ps.ParallelLayoutError, match="num_layers 5 is not divisible by pipeline_model_parallel_size 2"):
-        ps.validate_layout(4, 2, 2, num_attention_heads=4, num_layers=5)
-    with pytest.raises(ps.ParallelLayoutError, match="global_batch_size 6 is not divisible by micro_batch_size 2 x "
-                                                     "data-parallel size 2"):
-        ps.validate_layout(4, 2, 1, global_batch_size=6, micro_batch_size=2)
-    with pytest.raises(ps.ParallelLayoutError, match="seq_length 9 is not divisible"):
-        ps.validate_layout(2, 2, 1, seq_length=9, sequence_parallel=True)
-    ps.validate_layout(8, 2, 2, num_attention_heads=12, num_layers=12, ffn_hidden_size=3072, padded_vocab_size=32768,
-                       seq_length=1024, sequence_parallel=True, global_batch_size=192, micro_batch_size=12)
+    with pytest.raises(ps.ParallelLayoutError, match="pipeline_model_parallel_size must be >= 1 \\(got 0\\)"):
+        ps.rank_layout(4, 2, 0)
 
 
 def test_uninitialized_is_a_single_process():
@@ -123,10 +117,6 @@ def test_stage_layers_contiguous_and_megatrons_interleaved_layout():
     held = sorted(l for r in range(4) for c in range(3)
                   for l in stage_layers(12, 4, r, num_layers_per_virtual_pipeline_stage=1, virtual_rank=c))
     assert held == list(range(12))
-    with pytest.raises(ps.ParallelLayoutError,
-                       match="num_layers 8 is not divisible by pipeline_model_parallel_size 2 x "
-                             "num_layers_per_virtual_pipeline_stage 3 = 6"):
-        ps.validate_layout(2, 1, 2, num_layers=8, num_layers_per_virtual_pipeline_stage=3)
 
 
 def test_collective_tensors_are_made_on_the_training_device_whatever_the_backend(monkeypatch):

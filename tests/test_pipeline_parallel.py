@@ -1,7 +1,7 @@
-"""The 1F1B schedule on 4 gloo ranks with a toy stage (one Linear + tanh per stage):
-the order of forwards and backwards per stage, gradients equal to the single-process chain for
-every number of micro batches and forward-only mode. (Sequence-parallel p2p shapes [s/tp, b, h]
-are proven by the TP2xPP2 SP layout of test_parallel_equivalence.)"""
+"""The 1F1B schedule on 4 gloo ranks with a toy stage (one Linear + tanh per stage, driven through
+the model protocol's LocalModel, gradients in .grad): the order of forwards and backwards per stage,
+gradients equal to the single-process chain for every number of micro batches and forward-only mode.
+(Sequence-parallel p2p shapes [s/tp, b, h] are proven by the TP2xPP2 SP layout of test_parallel_equivalence.)"""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 
 from distributed_utils import run_distributed
 from megatron_core import parallel_state as ps
+from megatron_core.distributed import LocalModel
 from megatron_core.pipeline_parallel import get_forward_backward_func
 
 HIDDEN, SEQ, MICRO = 8, 4, 2
@@ -84,8 +85,9 @@ def run_schedules(micro_batch_counts: list[int]) -> list[dict]:
 
                 return output, loss_func
 
-            stats = schedule(forward_step, iter(range(count)), model, count, seq_length=SEQ, micro_batch_size=MICRO,
-                             forward_only=forward_only, hidden_size=HIDDEN)
+            stats = schedule(forward_step, iter(range(count)), LocalModel(model), count, seq_length=SEQ,
+                             micro_batch_size=MICRO, forward_only=forward_only, hidden_size=HIDDEN,
+                             sequence_parallel=False)
             results.append({"count": count, "forward_only": forward_only, "events": "".join(events),
                             "losses": [float(s["lm loss"]) for s in stats],
                             "grad": None if model.weight.grad is None else model.weight.grad.clone()})
@@ -141,7 +143,7 @@ def test_forward_only_returns_losses_without_gradients(ranks):
 
 
 class ToyChunks(torch.nn.Module):
-    """A rank's model chunks, as GPTModelChunks holds them (the schedule reads `.chunks`)."""
+    """A rank's model chunks, as GPTModelChunks holds them (the schedule runs the protocol's `.chunks`)."""
 
     def __init__(self, chunks: list[ToyStage]):
         super().__init__()
@@ -172,7 +174,7 @@ def run_interleaved(pp: int, v: int, micro_batch_counts: list[int]) -> dict:
         stage = ToyStage(weights[c * pp + rank], first=(c == 0 and rank == 0), last=(c == v - 1 and rank == pp - 1))
         stage.chunk = c
         chunks.append(stage)
-    model = ToyChunks(chunks)
+    model = LocalModel(ToyChunks(chunks))
     assert get_forward_backward_func() is forward_backward_pipelining_with_interleaving
     results = []
     for count in micro_batch_counts:
@@ -201,7 +203,7 @@ def run_interleaved(pp: int, v: int, micro_batch_counts: list[int]) -> dict:
 
             stats = forward_backward_pipelining_with_interleaving(
                 forward_step, data(), model, count, seq_length=SEQ, micro_batch_size=MICRO,
-                forward_only=forward_only, hidden_size=HIDDEN)
+                forward_only=forward_only, hidden_size=HIDDEN, sequence_parallel=False)
             results.append({"count": count, "forward_only": forward_only, "events": events, "reads": reads,
                             "losses": [float(s["lm loss"]) for s in stats],
                             "grads": [None if c.weight.grad is None else c.weight.grad.clone() for c in chunks]})

@@ -180,7 +180,7 @@ def test_cli_reports_errors_for_people(tmp_path, capsys):
                      "--data-path", str(tmp_path / "nothing"), "--vocab-size", "100",
                      "--run-dir", str(tmp_path / "run")])
     assert rc == 2
-    assert "error: cannot train this recipe: training.lr must be > 0" in capsys.readouterr().err
+    assert "error: training.lr must be > 0 (got 0.0)" in capsys.readouterr().err
 
 
 _RECORD = {"iteration": 10, "consumed_samples": 320, "elapsed_ms": 123.45, "tflops": 1.23, "lr": 3e-3,

@@ -12,7 +12,7 @@ import torch
 from megatron_core.checkpoint_format import CheckpointError, model_entries, nest_model_state
 from megatron_core.config import recipe_from_dict
 from megatron_core.models.gpt import GPTModel, GPTModelChunks, build_gpt_model
-from megatron_core.training.trainer import Trainer
+from megatron_core.training.checkpointing import load_model_weights
 
 
 def recipe(vpp_layers=None):
@@ -42,9 +42,8 @@ def test_a_rank_builds_megatrons_chunks_with_the_single_process_weights():
 
 def _load(model, state):
     reloaded = []
-    trainer = SimpleNamespace(_unwrapped=lambda: model,
-                              optimizer=SimpleNamespace(reload_model_params=lambda: reloaded.append(True)))
-    Trainer._load_model_weights(trainer, state, "CKPT")
+    optimizer = SimpleNamespace(reload_model_params=lambda: reloaded.append(True))
+    load_model_weights(state, model.chunks, optimizer, "CKPT", padded_vocab_size=128, tensor_model_parallel_size=1)
     return reloaded
 
 
@@ -62,3 +61,19 @@ def test_resume_loads_chunks_and_refuses_a_chunk_count_that_does_not_fit():
         _load(plain, state)
     with pytest.raises(CheckpointError, match="holds 1 model chunk\\(s\\) per rank but this run's model has 2"):
         _load(chunks, {"model": nest_model_state(plain.state_dict())})
+
+
+def test_the_wrappers_run_the_models_own_chunks_and_forward_nothing_else():
+    """The model protocol: `chunks` is the model's own (a GPTModel is its one chunk), the optimizer's
+    names keep the `chunks.<c>.` prefix, and the data-parallel wrapper forwards no other attribute."""
+    from megatron_core.distributed import DistributedDataParallel, LocalModel
+
+    r = recipe(vpp_layers=1)
+    chunks = build_gpt_model(r.model, r.parallel, 128, init_seed=5)
+    wrapped = DistributedDataParallel(chunks, r.parallel)
+    assert list(wrapped.chunks) == list(chunks.chunks) and wrapped.module is chunks
+    assert all(name.startswith(("chunks.0.", "chunks.1.")) for name, _ in wrapped.module.named_parameters())
+    with pytest.raises(AttributeError):
+        wrapped.describe_backends()  # the inner model's, reached as wrapped.module.describe_backends()
+    plain = build_gpt_model(recipe().model, recipe().parallel, 128)
+    assert LocalModel(plain).chunks == [plain] and DistributedDataParallel(plain, r.parallel).chunks == [plain]

@@ -8,8 +8,10 @@ One module per job, each importing only those below it:
 - `discovery`: the recipes directory, names and families, `base:` inheritance, the GPU count (lazily)
 - `overrides`: `--set key=value`
 - `parsing`: a raw mapping typed into a `Recipe`, with messages for people
-- `validation`: impossible combinations refused before any work starts
-- `schema`: the sections, their defaults (Megatron-LM's), `Recipe` and its resolved dictionary
+- `validation`: impossible combinations refused before any work starts (batch, schedule, precision)
+- `model_spec`: `ModelSpec`, the model's shape and parallel layout with every rule they must satisfy
+- `schema`: the sections, their defaults (Megatron-LM's), the typed corpus sources, `Recipe` and its
+  resolved dictionary
 - `hashing`: the recipe hash and each pipeline stage's hash; `resume`: keys a resume may change
 
 Import from here (`from megatron_core.config import load_recipe`): these names are the interface.
@@ -24,18 +26,24 @@ from megatron_core.config.discovery import (
 )
 from megatron_core.config.hashing import canonical_hash
 from megatron_core.config.loading import load_recipe
+from megatron_core.config.model_spec import ModelSpec
 from megatron_core.config.overrides import apply_overrides
 from megatron_core.config.parsing import recipe_from_dict
 from megatron_core.config.resume import RESUME_SAFE_KEYS
 from megatron_core.config.schema import (
     KEYS_HASHED_ONLY_WHEN_SET,
     SECTIONS,
+    SOURCE_TYPES,
     TOP_LEVEL,
     CorpusConfig,
+    CorpusSource,
     DataConfig,
     EvaluateConfig,
+    HfDatasetSource,
+    JsonlSource,
     ModelConfig,
     ParallelConfig,
+    PythonStdlibSource,
     Recipe,
     TokenizerConfig,
     TrainingConfig,
@@ -47,12 +55,18 @@ __all__ = [
     "KEYS_HASHED_ONLY_WHEN_SET",
     "RESUME_SAFE_KEYS",
     "SECTIONS",
+    "SOURCE_TYPES",
     "TOP_LEVEL",
     "CorpusConfig",
+    "CorpusSource",
     "DataConfig",
     "EvaluateConfig",
+    "HfDatasetSource",
+    "JsonlSource",
     "ModelConfig",
+    "ModelSpec",
     "ParallelConfig",
+    "PythonStdlibSource",
     "Recipe",
     "TokenizerConfig",
     "TrainingConfig",

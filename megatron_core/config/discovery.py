@@ -10,7 +10,9 @@ itself is no recipe value: the resolved recipe and its hash are those of the mer
 from __future__ import annotations
 
 import copy
+import ctypes
 import os
+import re
 from pathlib import Path
 from typing import Any, Optional
 
@@ -96,9 +98,58 @@ def merge_over(base: dict, child: dict) -> dict:
     return merged
 
 
+_ROCM_DEVICE = Path("/dev/kfd")  # the AMD driver's device node
+
+
 def visible_gpu_count() -> int:
-    # torch is imported here, not at module import: finding a recipe stays fast, and only a family
-    # with variants for several GPU counts asks
+    """CUDA GPUs this process may use, counted as torch.cuda.device_count() counts them before CUDA starts
+    (NVML's devices, less those CUDA_VISIBLE_DEVICES hides) but without importing torch, so that finding
+    a recipe stays fast. torch answers only where NVML cannot (GPU/MIG UUIDs, no NVML on a ROCm machine)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ordinals = None if visible is None else _visible_ordinals(visible)
+    if ordinals == []:
+        return 0
+    physical = _nvml_device_count()
+    if physical is None:  # no NVIDIA driver: no GPU, unless ROCm's (torch counts its HIP devices)
+        return _torch_gpu_count() if _ROCM_DEVICE.exists() else 0
+    if visible is None:
+        return physical
+    if ordinals is None:  # UUIDs: only the driver maps them to devices
+        return _torch_gpu_count()
+    # listed devices count up to the first this machine does not have
+    return next((i for i, ordinal in enumerate(ordinals) if ordinal >= physical), len(ordinals))
+
+
+def _visible_ordinals(visible: str) -> Optional[list[int]]:
+    """CUDA_VISIBLE_DEVICES read as CUDA reads it: leading digits of each entry up to the first invalid
+    one, a repeated ordinal hiding every device. None for UUIDs (GPU-..., MIG-...), which need a driver call."""
+    if visible.strip().startswith(("GPU-", "MIG-")):
+        return None
+    ordinals: list[int] = []
+    for entry in visible.split(","):
+        digits = re.match(r"\s*\+?(\d+)", entry)
+        if digits is None:
+            break
+        if int(digits.group(1)) in ordinals:
+            return []
+        ordinals.append(int(digits.group(1)))
+    return ordinals
+
+
+def _nvml_device_count() -> Optional[int]:
+    """NVIDIA GPUs on this machine through the driver's NVML library, None without a working one."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        count = ctypes.c_uint(0)
+        if nvml.nvmlInit_v2() != 0 or nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
+            return None
+        nvml.nvmlShutdown()
+        return int(count.value)
+    except (OSError, AttributeError):  # no driver library, or one without these symbols
+        return None
+
+
+def _torch_gpu_count() -> int:
     try:
         import torch
 

@@ -3,12 +3,13 @@ applied), with messages for people: unknown keys get a "did you mean", values a 
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import types
 import typing
 from typing import Any, Literal, Optional, Union
 
-from megatron_core.config.schema import SECTIONS, TOP_LEVEL, Recipe
+from megatron_core.config.schema import SECTIONS, SOURCE_TYPES, TOP_LEVEL, CorpusSource, Recipe
 from megatron_core.config.validation import validate
 from megatron_core.errors import UserError
 
@@ -44,6 +45,13 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if value in typing.get_args(tp):
             return value
         raise UserError(f"{where}: got {value!r}, expected one of {_type_name(tp)}")
+    if origin is tuple:  # one or more items; a single string may stand for a list of one (a path)
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list) or not items:
+            raise UserError(f"{where}: got {value!r}, expected a non-empty list")
+        return tuple(_coerce(item, typing.get_args(tp)[0], f"{where}[{i}]") for i, item in enumerate(items))
+    if tp is CorpusSource:
+        return _build_source(value, where)
     if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     if tp is float and isinstance(value, str):
@@ -66,6 +74,34 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
 def did_you_mean(key: str, valid: typing.Iterable[str]) -> str:
     match = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
     return f"; did you mean '{match[0]}'?" if match else ""
+
+
+def _build_source(raw: Any, where: str) -> CorpusSource:
+    """A corpus source mapping typed by its `type` into that source's dataclass."""
+    kinds = ", ".join(SOURCE_TYPES)
+    if not isinstance(raw, dict):
+        raise UserError(f"{where}: got {raw!r} ({type(raw).__name__}), expected a mapping with a type ({kinds})")
+    kind = raw.get("type")
+    if not isinstance(kind, str) or kind not in SOURCE_TYPES:
+        problem = "missing" if kind is None else f"unknown source type {kind!r}{did_you_mean(str(kind), SOURCE_TYPES)}"
+        raise UserError(f"{where}.type: {problem}; use one of {kinds}")
+    cls = SOURCE_TYPES[kind]
+    hints = typing.get_type_hints(cls)
+    keys = {f.name: f for f in dataclasses.fields(cls) if f.name != "written"}
+    values = {}
+    for key, value in raw.items():
+        if key == "type":
+            continue
+        if key not in keys:
+            raise UserError(f"{where}.{key}: unknown key for a {kind} source{did_you_mean(str(key), keys)} "
+                            f"(its keys: {', '.join(keys) or 'none'})")
+        values[key] = _coerce(value, hints[key], f"{where}.{key}")
+    for key, spec in keys.items():
+        required = spec.default is dataclasses.MISSING and spec.default_factory is dataclasses.MISSING
+        if required and values.get(key, "") == "":
+            problem = "missing" if key not in values else "empty"
+            raise UserError(f"{where}.{key}: {problem}; a {kind} source needs it (its keys: {', '.join(keys)})")
+    return cls(**values, written=frozenset(values))
 
 
 def _build_section(cls: type, values: Any, section: str):

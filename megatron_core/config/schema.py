@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, ClassVar, Literal, Optional
 
 import yaml
 
@@ -18,13 +18,70 @@ from megatron_core.config.hashing import canonical_hash, stage_hash
 from megatron_core.config.resume import RUN_EXTENDING_KEYS
 
 
+@dataclass(frozen=True)
+class CorpusSource:
+    """One place the corpus's documents come from, written in a recipe as a mapping whose `type` is the
+    subclass's TYPE. A subclass's fields are the mapping's other keys; megatron_core.data.corpus reads it."""
+
+    TYPE: ClassVar[str]
+    # The keys the recipe wrote. The resolved recipe (and so every hash) holds a source as written, as it
+    # did when sources were plain dicts: a default spelled out stays, one left out is not added.
+    written: frozenset[str] = field(default=frozenset(), compare=False, repr=False, kw_only=True)
+
+    def to_dict(self) -> dict:
+        """The source as a recipe writes it: `type`, required keys, and the others written or changed."""
+        out: dict[str, Any] = {"type": self.TYPE}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            if f.name != "written" and (required or f.name in self.written or value != f.default):
+                out[f.name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+
+@dataclass(frozen=True)
+class PythonStdlibSource(CorpusSource):
+    """The running interpreter's standard-library `.py` files (site-packages and non-UTF-8 files left out),
+    sorted by relative path, or with `shuffle_seed` in a fixed pseudo-random order of those paths (so that
+    Megatron's contiguous valid/test split samples the whole library, not its last packages)."""
+
+    TYPE: ClassVar[str] = "python-stdlib"
+    shuffle_seed: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class JsonlSource(CorpusSource):
+    """`.jsonl` / `.jsonl.gz` files: `paths` (files or globs, in order; one may be a string), the text
+    under `key` of each line."""
+
+    TYPE: ClassVar[str] = "jsonl"
+    paths: tuple[str, ...]
+    key: str = "content"
+
+
+@dataclass(frozen=True)
+class HfDatasetSource(CorpusSource):
+    """A dataset through the `datasets` library: a Hub id at `revision` (a commit sha, or a branch or tag
+    whose commit the corpus records), or a local directory (save_to_disk, or parquet/json files)."""
+
+    TYPE: ClassVar[str] = "hf-dataset"
+    name: str
+    revision: Optional[str] = None
+    split: str = "train"
+    key: str = "content"
+
+
+# The source types a recipe may name. A new one is a dataclass here and its reader in data/corpus.py.
+SOURCE_TYPES: dict[str, type[CorpusSource]] = {
+    cls.TYPE: cls for cls in (PythonStdlibSource, JsonlSource, HfDatasetSource)
+}
+
+
 @dataclass
 class CorpusConfig:
-    """Where the loose-JSON corpus comes from (see megatron_core.data.corpus)."""
+    """Where the loose-JSON corpus comes from (read in order, see megatron_core.data.corpus)."""
 
-    # Each source: {"type": "python-stdlib"} | {"type": "jsonl", "paths": [...], "key": "content"}
-    #            | {"type": "hf-dataset", "name": ..., "revision": ..., "split": "train", "key": "content"}
-    sources: list = field(default_factory=lambda: [{"type": "python-stdlib"}])
+    sources: tuple[CorpusSource, ...] = field(default_factory=lambda: (PythonStdlibSource(),))
     max_documents: Optional[int] = None
     max_bytes: Optional[int] = None
 
@@ -250,10 +307,12 @@ class Recipe:
 
     # -- serialization -------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        """The resolved recipe: every section with every value, defaults included."""
+        """The resolved recipe: every section with every value, defaults included (but each corpus source
+        as written: CorpusSource.to_dict)."""
         out: dict[str, Any] = {k: getattr(self, k) for k in TOP_LEVEL}
         for name in SECTIONS:
             out[name] = dataclasses.asdict(getattr(self, name))
+        out["corpus"]["sources"] = [source.to_dict() for source in self.corpus.sources]
         for dotted in KEYS_HASHED_ONLY_WHEN_SET:
             section, key = dotted.split(".")
             if out[section][key] == _field_default(SECTIONS[section], key):
@@ -271,8 +330,8 @@ class Recipe:
     def unpinned_revisions(self) -> list[str]:
         """The Hub revisions this recipe names that can move: anything but a full commit sha (a branch
         such as `main`, or a tag). Their run records the commit it resolved (provenance)."""
-        named = [(f"corpus.sources[{i}].revision", source.get("revision"))
-                 for i, source in enumerate(self.corpus.sources) if source.get("type") == "hf-dataset"]
+        named = [(f"corpus.sources[{i}].revision", source.revision)
+                 for i, source in enumerate(self.corpus.sources) if isinstance(source, HfDatasetSource)]
         if self.tokenizer.hf_tokenizer is not None:
             named.append(("tokenizer.hf_tokenizer_revision", self.tokenizer.hf_tokenizer_revision))
         return [f"{key}={value}" for key, value in named if not _is_commit_sha(value)]

@@ -1,34 +1,14 @@
-"""Recipe validation: refuse impossible combinations (layout, batch, schedule, precision) before any
-work starts, each problem in one line that names its keys and numbers."""
+"""Recipe validation: refuse impossible combinations before any work starts, each problem in one line
+that names its keys and numbers. The model's shape and parallel layout are ModelSpec's rules
+(config/model_spec.py); the batch, schedule, optimizer and precision rules are here."""
 
 from __future__ import annotations
 
 from typing import Optional
 
+from megatron_core.config.model_spec import ModelSpec
 from megatron_core.config.schema import Recipe, TrainingConfig
 from megatron_core.errors import UserError
-
-
-def _virtual_pipeline_problems(num_layers: int, pp: int, layers_per_virtual_stage: Optional[int],
-                               num_micro_batches: int) -> list[str]:
-    """What stops the interleaved schedule (Megatron's checks), each naming its numbers."""
-    if layers_per_virtual_stage is None:
-        return []
-    key = "parallel.num_layers_per_virtual_pipeline_stage"
-    if layers_per_virtual_stage < 1:
-        return [f"{key} must be >= 1 or null (got {layers_per_virtual_stage})"]
-    if pp < 2:
-        return [f"{key} {layers_per_virtual_stage} needs pipeline_model_parallel_size >= 2 (got {pp}); "
-                "set it to null without pipeline parallelism"]
-    problems = []
-    if num_layers % (pp * layers_per_virtual_stage):
-        problems.append(f"model.num_layers {num_layers} is not divisible by pipeline_model_parallel_size {pp} x "
-                        f"{key} {layers_per_virtual_stage} = {pp * layers_per_virtual_stage}")
-    if num_micro_batches % pp:
-        problems.append(f"the interleaved schedule needs the number of micro batches per iteration "
-                        f"({num_micro_batches} = global_batch_size / (micro_batch_size x data-parallel size)) "
-                        f"to be a multiple of pipeline_model_parallel_size {pp}")
-    return problems
 
 
 def lr_warmup_problem(t: TrainingConfig) -> Optional[str]:
@@ -47,59 +27,31 @@ def lr_warmup_problem(t: TrainingConfig) -> Optional[str]:
 
 def validate(recipe: Recipe) -> None:
     """Refuse impossible combinations before any work starts."""
-    m, p, t = recipe.model, recipe.parallel, recipe.training
-    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    problems = []
+    m, t = recipe.model, recipe.training
+    spec = ModelSpec.from_recipe(recipe)
+    problems = spec.problems()
     positive = {
-        "model.num_layers": m.num_layers,
-        "model.hidden_size": m.hidden_size,
-        "model.num_attention_heads": m.num_attention_heads,
-        "model.seq_length": m.seq_length,
-        "parallel.world_size": p.world_size,
-        "parallel.tensor_model_parallel_size": tp,
-        "parallel.pipeline_model_parallel_size": pp,
         "training.micro_batch_size": t.micro_batch_size,
         "training.global_batch_size": t.global_batch_size,
         "training.train_iters": t.train_iters,
         "training.log_interval": t.log_interval,
         "training.eval_interval": t.eval_interval,
-        "model.make_vocab_size_divisible_by": m.make_vocab_size_divisible_by,
     }
-    problems += [f"{k} must be >= 1 (got {v})" for k, v in positive.items() if v < 1]
-    if problems:
-        raise UserError("; ".join(problems))
-    if m.hidden_size % m.num_attention_heads:
-        problems.append(
-            f"model.hidden_size {m.hidden_size} is not divisible by model.num_attention_heads {m.num_attention_heads}"
-        )
-    if m.seq_length > m.max_position_embeddings:
-        problems.append(
-            f"model.seq_length {m.seq_length} > model.max_position_embeddings {m.max_position_embeddings}: "
-            "raise max_position_embeddings or shorten seq_length"
-        )
-    if p.world_size % (tp * pp):
-        problems.append(
-            f"parallel.world_size {p.world_size} is not divisible by tensor_model_parallel_size {tp} x "
-            f"pipeline_model_parallel_size {pp}"
-        )
-    if m.num_attention_heads % tp:
-        problems.append(f"model.num_attention_heads {m.num_attention_heads} is not divisible by TP {tp}")
-    if m.ffn_size % tp:
-        problems.append(f"ffn size {m.ffn_size} is not divisible by TP {tp}")
-    if m.num_layers % pp:
-        problems.append(f"model.num_layers {m.num_layers} is not divisible by PP {pp}")
-    dp = max(p.data_parallel_size, 1)
-    problems += _virtual_pipeline_problems(m.num_layers, pp, p.num_layers_per_virtual_pipeline_stage,
-                                           t.global_batch_size // max(t.micro_batch_size * dp, 1))
+    not_positive = [f"{k} must be >= 1 (got {v})" for k, v in positive.items() if v < 1]
+    if not_positive:  # the batch rules below would divide by these
+        raise UserError("; ".join(problems + not_positive))
+    dp = max(spec.data_parallel_size or 1, 1)
     if t.global_batch_size % (t.micro_batch_size * dp):
         problems.append(
             f"training.global_batch_size {t.global_batch_size} is not a multiple of micro_batch_size "
             f"{t.micro_batch_size} x data-parallel size {dp}"
         )
-    if p.sequence_parallel and tp == 1:
-        problems.append("parallel.sequence_parallel needs tensor_model_parallel_size > 1")
-    if p.sequence_parallel and m.seq_length % tp:
-        problems.append(f"model.seq_length {m.seq_length} is not divisible by TP {tp} (sequence parallel)")
+    pp, vls = spec.pp, spec.layers_per_virtual_stage
+    num_micro_batches = t.global_batch_size // (t.micro_batch_size * dp)
+    if vls is not None and vls >= 1 and pp >= 2 and num_micro_batches % pp:
+        problems.append(f"the interleaved schedule needs the number of micro batches per iteration "
+                        f"({num_micro_batches} = global_batch_size / (micro_batch_size x data-parallel size)) "
+                        f"to be a multiple of pipeline_model_parallel_size {pp}")
     if t.fp16 and t.bf16:
         problems.append("training.fp16 and training.bf16 are both set: choose one")
     if t.keep_last_checkpoints is not None and t.keep_last_checkpoints < 0:
@@ -115,6 +67,7 @@ def validate(recipe: Recipe) -> None:
         problems.append(warmup_problem)
     if t.min_lr > t.lr:
         problems.append(f"training.min_lr {t.min_lr} > training.lr {t.lr}")
+    problems += _bound_problems(recipe)
     for name, value in (("hidden_dropout", m.hidden_dropout), ("attention_dropout", m.attention_dropout)):
         if not 0.0 <= value < 1.0:
             problems.append(f"model.{name} must be in [0, 1) (got {value})")
@@ -131,3 +84,31 @@ def validate(recipe: Recipe) -> None:
         problems.append("tokenizer.vocab_file and tokenizer.merge_file go together: give both or neither")
     if problems:
         raise UserError("; ".join(problems))
+
+
+def _bound_problems(recipe: Recipe) -> list[str]:
+    """The optimizer, schedule and loss-scale values outside their range, one line each."""
+    t, m = recipe.training, recipe.model
+    # (key, value, holds, what it must be): in the order people read the recipe
+    bounds = [
+        ("training.lr", t.lr, t.lr > 0, "> 0"),
+        ("training.min_lr", t.min_lr, t.min_lr >= 0, ">= 0"),
+        ("training.lr_warmup_iters", t.lr_warmup_iters, t.lr_warmup_iters >= 0, ">= 0"),
+        ("training.weight_decay", t.weight_decay, t.weight_decay >= 0, ">= 0"),
+        ("training.adam_beta1", t.adam_beta1, 0.0 <= t.adam_beta1 < 1.0, "in [0, 1)"),
+        ("training.adam_beta2", t.adam_beta2, 0.0 <= t.adam_beta2 < 1.0, "in [0, 1)"),
+        ("training.adam_eps", t.adam_eps, t.adam_eps > 0, "> 0"),
+        ("training.clip_grad", t.clip_grad, t.clip_grad >= 0, ">= 0 (0 turns clipping off;"),
+        ("training.eval_iters", t.eval_iters, t.eval_iters >= 0, ">= 0"),
+        ("training.save_interval", t.save_interval, t.save_interval is None or t.save_interval >= 1, ">= 1 or null"),
+        ("model.init_method_std", m.init_method_std, m.init_method_std > 0, "> 0"),
+    ]
+    problems = [f"{key} must be {must}{' ' if must.endswith(';') else ' ('}got {value})"
+                for key, value, holds, must in bounds if not holds]
+    if t.fp16:
+        if not 0 < t.min_loss_scale <= t.initial_loss_scale:
+            problems.append(f"training.min_loss_scale {t.min_loss_scale} must be in (0, initial_loss_scale "
+                            f"{t.initial_loss_scale}]")
+        if t.loss_scale_window < 1 or t.hysteresis < 1:
+            problems.append("training.loss_scale_window and training.hysteresis must be >= 1")
+    return problems

@@ -1,4 +1,4 @@
-"""Megatron layout <-> Hugging Face GPT2: convert, import back, and load our own model merged.
+"""Megatron layout <-> Hugging Face GPT2: convert, import back, and read a checkpoint of any layout merged.
 
 Names are imported lazily, so `python -m megatron_core.convert.hf_to_megatron` runs its module once.
 """
@@ -8,11 +8,8 @@ import importlib
 _EXPORTS = {
     "convert_checkpoint": "megatron_core.convert.megatron_to_hf",
     "import_hf_model": "megatron_core.convert.hf_to_megatron",
-    "load_megatron_model": "megatron_core.convert.load",
-    "MegatronCausalLM": "megatron_core.convert.load",
     "read_checkpoint": "megatron_core.convert.shards",
     "MergedCheckpoint": "megatron_core.convert.shards",
-    "ModelShape": "megatron_core.convert.shards",
 }
 __all__ = list(_EXPORTS)
 

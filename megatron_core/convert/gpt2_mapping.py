@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_core.convert.shards import ModelShape
+from megatron_core.config import ModelSpec
 
 # Megatron layer-local name -> (GPT2 layer-local name, transposed?)
 _LAYER_MAP = {
@@ -35,19 +35,19 @@ _GLOBAL_MAP = {
 }
 
 
-def _qkv_to_hf(t: torch.Tensor, shape: ModelShape) -> torch.Tensor:
+def _qkv_to_hf(t: torch.Tensor, shape: ModelSpec) -> torch.Tensor:
     np_, hn = shape.num_attention_heads, shape.head_dim
     rest = t.shape[1:]
     return t.view(np_, 3, hn, *rest).transpose(0, 1).reshape(t.shape)
 
 
-def _qkv_from_hf(t: torch.Tensor, shape: ModelShape) -> torch.Tensor:
+def _qkv_from_hf(t: torch.Tensor, shape: ModelSpec) -> torch.Tensor:
     np_, hn = shape.num_attention_heads, shape.head_dim
     rest = t.shape[1:]
     return t.view(3, np_, hn, *rest).transpose(0, 1).reshape(t.shape)
 
 
-def megatron_to_gpt2_state(state: dict, shape: ModelShape) -> dict:
+def megatron_to_gpt2_state(state: dict, shape: ModelSpec) -> dict:
     """Canonical merged Megatron state -> GPT2LMHeadModel state (no lm_head when tied)."""
     out = {}
     for L in range(shape.num_layers):
@@ -63,7 +63,7 @@ def megatron_to_gpt2_state(state: dict, shape: ModelShape) -> dict:
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def gpt2_to_megatron_state(hf: dict, shape: ModelShape) -> dict:
+def gpt2_to_megatron_state(hf: dict, shape: ModelSpec) -> dict:
     """GPT2LMHeadModel state -> canonical Megatron state (inverse of megatron_to_gpt2_state), in
     GPTModel.state_dict() order: embeddings, layers, final norm, output layer."""
     out = {}

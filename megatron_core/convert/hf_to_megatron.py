@@ -9,6 +9,7 @@ The checkpoint holds the model (checkpoint_version 3.0), args and iteration; no 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -27,38 +28,12 @@ from megatron_core.checkpoint_format import (
 )
 from megatron_core.convert.gpt2_mapping import gpt2_to_megatron_state
 from megatron_core.convert.megatron_to_hf import PROVENANCE_FILE, publish_dir
-from megatron_core.convert.shards import (
-    ModelShape,
-    args_for_shape,
-    check_divisible,
-    split_state,
-)
+from megatron_core.config import ModelSpec
+from megatron_core.convert.shards import split_state
 from megatron_core.errors import UserError
+from megatron_core.log import get_logger
 
-_GELU = {"gelu_new": "tanh", "gelu_fast": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
-
-
-def shape_from_hf_config(config: dict) -> ModelShape:
-    if config.get("model_type") != "gpt2":
-        raise UserError(f"model_type {config.get('model_type')!r} is not gpt2; only GPT2 models import")
-    act = config.get("activation_function", "gelu_new")
-    if act not in _GELU:
-        raise UserError(f"activation_function {act!r} has no Megatron GeLU equivalent ({', '.join(_GELU)})")
-    if config.get("scale_attn_by_inverse_layer_idx") or config.get("reorder_and_upcast_attn"):
-        raise UserError("scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn have no Megatron equivalent")
-    h = config["n_embd"]
-    return ModelShape(
-        num_layers=config["n_layer"],
-        hidden_size=h,
-        num_attention_heads=config["n_head"],
-        ffn_hidden_size=config.get("n_inner") or 4 * h,
-        padded_vocab_size=config["vocab_size"],
-        max_position_embeddings=config["n_positions"],
-        gelu_approximation=_GELU[act],
-        tied_embeddings=config.get("tie_word_embeddings", True),
-        layernorm_epsilon=config.get("layer_norm_epsilon", 1e-5),
-    )
-
+_LOG = get_logger(__name__, tag="convert")
 
 def read_hf_state(model_dir: Path) -> dict:
     st, bin_ = model_dir / "model.safetensors", model_dir / "pytorch_model.bin"
@@ -80,16 +55,15 @@ def import_hf_model(model: Union[str, Path], save: Union[str, Path], tp: int = 1
     if not config_file.exists():
         raise UserError(f"{model} has no config.json; pass a Hugging Face model directory")
     config = json.loads(config_file.read_text())
-    shape = shape_from_hf_config(config)
-    vls = num_layers_per_virtual_pipeline_stage
-    check_divisible(shape, tp, pp, vls)
+    spec = ModelSpec.from_hf_config(config, tp, pp, num_layers_per_virtual_pipeline_stage)
+    spec.check("choose a --tp/--pp that divides the model")  # before reading any weights
     if (save / TRACKER_FILENAME).exists() and not overwrite:
         raise UserError(f"{save} already holds a checkpoint; pass --overwrite to replace it")
     hf_state = {k.removeprefix("model."): v for k, v in read_hf_state(model).items()}
-    if not shape.tied_embeddings and "lm_head.weight" not in hf_state:
+    if not spec.tied_embeddings and "lm_head.weight" not in hf_state:
         raise UserError(f"{model}: untied embeddings but no lm_head.weight in the weights")
-    state = gpt2_to_megatron_state(hf_state, shape)
-    models = split_state(state, shape, tp, pp, vls)
+    state = gpt2_to_megatron_state(hf_state, spec)
+    models = split_state(state, spec)
     provenance = {}
     if (model / PROVENANCE_FILE).exists():
         provenance = json.loads((model / PROVENANCE_FILE).read_text())
@@ -100,10 +74,7 @@ def import_hf_model(model: Union[str, Path], save: Union[str, Path], tp: int = 1
         extra_args = dict(zip(("vocab_file", "merge_file"), map(str, tokenizer_copies(save.resolve()))))
     else:
         tokenizer = None
-    if vls is not None:
-        extra_args.update(num_layers_per_virtual_pipeline_stage=vls,
-                          virtual_pipeline_model_parallel_size=shape.num_layers // (pp * vls))
-    args = args_for_shape(shape, tp, pp, **extra_args)
+    args = spec.to_args(**extra_args)
     extra = {"recipe_hash": provenance.get("recipe_hash"), "hf_source": str(model.resolve())}
     save.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{save.name}.tmp-", dir=save.parent))
@@ -117,8 +88,8 @@ def import_hf_model(model: Union[str, Path], save: Union[str, Path], tp: int = 1
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    print(f"import: wrote {save} (TP {tp} x PP {pp}, iteration {iteration}) from {model}", flush=True)
-    return {"save": str(save), "tp": tp, "pp": pp, "iteration": iteration, "shape": shape.__dict__}
+    _LOG.info(f"wrote {save} (TP {tp} x PP {pp}, iteration {iteration}) from {model}")
+    return {"save": str(save), "tp": tp, "pp": pp, "iteration": iteration, "shape": dataclasses.asdict(spec)}
 
 
 def main(argv=None) -> int:

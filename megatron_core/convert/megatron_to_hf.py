@@ -18,9 +18,13 @@ from typing import Optional, Union
 import torch
 
 from megatron_core.checkpoint_format import RECIPE_FILENAME, tokenizer_copies
+from megatron_core.config import ModelSpec
 from megatron_core.convert.gpt2_mapping import megatron_to_gpt2_state
-from megatron_core.convert.shards import MergedCheckpoint, ModelShape, read_checkpoint
+from megatron_core.convert.shards import MergedCheckpoint, read_checkpoint
 from megatron_core.errors import UserError
+from megatron_core.log import get_logger
+
+_LOG = get_logger(__name__, tag="convert")
 
 EOD_TOKEN = "<|endoftext|>"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -34,7 +38,7 @@ def eod_id_of(tokenizer) -> Optional[int]:
     return tokenizer.convert_tokens_to_ids(EOD_TOKEN) if EOD_TOKEN in tokenizer.get_vocab() else None
 
 
-def gpt2_model(state: dict, shape: ModelShape, eod_id: Optional[int], args=None, attn_implementation: str = "sdpa"):
+def gpt2_model(state: dict, shape: ModelSpec, eod_id: Optional[int], args=None, attn_implementation: str = "sdpa"):
     """Our merged Megatron state as a transformers GPT2LMHeadModel (fp32, CPU), built in memory with the
     mapping `invoke convert` writes: what evaluation and bench.train's baseline start from."""
     from transformers import GPT2LMHeadModel
@@ -50,7 +54,7 @@ def gpt2_model(state: dict, shape: ModelShape, eod_id: Optional[int], args=None,
     return model
 
 
-def gpt2_config(shape: ModelShape, eod_id: Optional[int], dtype: torch.dtype, args=None):
+def gpt2_config(shape: ModelSpec, eod_id: Optional[int], dtype: torch.dtype, args=None):
     from transformers import GPT2Config
 
     dropout = getattr(args, "hidden_dropout", 0.1) if args is not None else 0.1
@@ -97,7 +101,7 @@ def find_tokenizer_files(ckpt: MergedCheckpoint, vocab_file=None, merge_file=Non
     for origin, vocab, merges in candidates:
         vocab, merges = Path(vocab), Path(merges)
         if vocab.is_file() and merges.is_file():
-            print(f"convert: tokenizer from {origin}: {vocab}, {merges}", flush=True)
+            _LOG.info(f"tokenizer from {origin}: {vocab}, {merges}")
             return vocab, merges
         if origin.startswith("--"):
             raise UserError(f"tokenizer files not found: {vocab if not vocab.is_file() else merges}")
@@ -185,22 +189,22 @@ def convert_checkpoint(
     ckpt = read_checkpoint(load, iteration)
     vocab, merges = find_tokenizer_files(ckpt, vocab_file, merge_file)
     out_dtype = DTYPES[dtype] if dtype else ckpt.dtype
-    print(f"convert: TP {ckpt.tensor_parallel} x PP {ckpt.pipeline_parallel}, checkpoint_version "
-          f"{ckpt.checkpoint_version}, {ckpt.shape.num_layers} layers, {ckpt.dtype} -> {out_dtype}", flush=True)
-    state = {k: v.to(out_dtype) for k, v in megatron_to_gpt2_state(ckpt.state, ckpt.shape).items()}
+    _LOG.info(f"TP {ckpt.tensor_parallel} x PP {ckpt.pipeline_parallel}, checkpoint_version "
+              f"{ckpt.checkpoint_version}, {ckpt.spec.num_layers} layers, {ckpt.dtype} -> {out_dtype}")
+    state = {k: v.to(out_dtype) for k, v in megatron_to_gpt2_state(ckpt.state, ckpt.spec).items()}
 
     save.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{save.name}.tmp-", dir=save.parent))
     try:
-        positions = ckpt.shape.max_position_embeddings
+        positions = ckpt.spec.max_position_embeddings
         tokenizer = save_tokenizer(vocab, merges, tmp, model_max_length=positions)
         eod_id = eod_id_of(tokenizer)
         if eod_id is None:
-            print(f"convert: warning: the vocab has no {EOD_TOKEN}; bos/eos left unset", flush=True)
-        if len(tokenizer) > ckpt.shape.padded_vocab_size:
+            _LOG.warning(f"the vocab has no {EOD_TOKEN}; bos/eos left unset")
+        if len(tokenizer) > ckpt.spec.padded_vocab_size:
             raise UserError(f"the tokenizer has {len(tokenizer)} tokens but the model only "
-                            f"{ckpt.shape.padded_vocab_size} embedding rows; wrong --vocab-file?")
-        config = gpt2_config(ckpt.shape, eod_id, out_dtype, ckpt.args)
+                            f"{ckpt.spec.padded_vocab_size} embedding rows; wrong --vocab-file?")
+        config = gpt2_config(ckpt.spec, eod_id, out_dtype, ckpt.args)
         config.save_pretrained(tmp)
         _generation_config(eod_id, positions).save_pretrained(tmp)
         files = write_weights(state, tmp, format)
@@ -229,8 +233,8 @@ def convert_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    print(f"convert: wrote {save} ({summary['num_parameters']:,} parameters, {', '.join(files)}) in "
-          f"{time.time() - start:.1f}s", flush=True)
+    _LOG.info(f"wrote {save} ({summary['num_parameters']:,} parameters, {', '.join(files)}) in "
+              f"{time.time() - start:.1f}s")
     return summary
 
 

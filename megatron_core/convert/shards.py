@@ -17,7 +17,7 @@ position c x PP + r (parallel_state.stage_layers), with stage-local layer number
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,19 +29,25 @@ from megatron_core.checkpoint_format import (
     LAYER_KEY,
     RELEASE,
     TRACKER_FILENAME,
+    ShardingMap,
     check_rank_files,
     find_rank_files,
     is_model_key,
     iteration_dir,
+    layer_generic_name,
     load_checkpoint_file,
     merge_chunked_states,
     model_chunks,
     nest_model_state,
     read_tracker,
     split_chunked_state,
-    tp_partition_dim,
 )
+from megatron_core.config import ModelSpec
 from megatron_core.errors import UserError
+from megatron_core.log import get_logger
+from megatron_core.models.gpt import parameter_sharding
+
+_LOG = get_logger(__name__, tag="convert")
 
 # Older and newer Megatron spellings -> ours (applied to the flattened key, in order).
 _RENAMES = (
@@ -54,28 +60,9 @@ _RENAMES = (
 
 
 @dataclass
-class ModelShape:
-    """What a GPT2 config needs, read from a checkpoint's args (or an HF config)."""
-
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    ffn_hidden_size: int
-    padded_vocab_size: int
-    max_position_embeddings: int
-    gelu_approximation: str  # "tanh" | "none"
-    tied_embeddings: bool
-    layernorm_epsilon: float = 1e-5
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-
-@dataclass
 class MergedCheckpoint:
     state: dict  # canonical flat name -> full tensor
-    shape: ModelShape
+    spec: ModelSpec  # the checkpoint's shape and layout; padded vocab and tied embeddings as its weights are
     args: Any
     iteration: Union[int, str]
     checkpoint_version: float
@@ -145,25 +132,6 @@ def _arg(args, name, default=None):
     return getattr(args, name, default) if args is not None else default
 
 
-def shape_from_args(args) -> ModelShape:
-    missing = [n for n in ("hidden_size", "num_layers", "num_attention_heads") if _arg(args, n) is None]
-    if missing:
-        raise UserError(f"checkpoint args lack {', '.join(missing)}; cannot tell the model's shape")
-    hidden = args.hidden_size
-    approx = "tanh" if (_arg(args, "bias_gelu_fusion", False) or _arg(args, "openai_gelu", False)) else "none"
-    return ModelShape(
-        num_layers=args.num_layers,
-        hidden_size=hidden,
-        num_attention_heads=args.num_attention_heads,
-        ffn_hidden_size=_arg(args, "ffn_hidden_size") or 4 * hidden,
-        padded_vocab_size=_arg(args, "padded_vocab_size", 0),
-        max_position_embeddings=_arg(args, "max_position_embeddings") or _arg(args, "seq_length"),
-        gelu_approximation=approx,
-        tied_embeddings=not _arg(args, "untie_embeddings_and_output_weights", False),
-        layernorm_epsilon=_arg(args, "layernorm_epsilon", 1e-5),
-    )
-
-
 def flatten_nested(nested: dict, prefix: str = "") -> dict:
     flat = {}
     for key, value in nested.items():
@@ -189,10 +157,7 @@ def canonical_names(model: dict) -> dict:
         for pattern, replacement in _RENAMES:
             key = pattern.sub(replacement, key)
         out[key] = tensor
-    unknown = [k for k in out if not (k.startswith(("embedding.", "encoder.")) or tp_partition_dim(k) == 0)]
-    if unknown:
-        raise UserError(f"checkpoint has weights this converter does not know: {unknown[:5]}; only GPT models convert")
-    return out
+    return out  # names the model does not have are refused when the shards are merged (_merge)
 
 
 def to_canonical_qkv(tensor: torch.Tensor, version: float, heads_local: int) -> torch.Tensor:
@@ -222,7 +187,7 @@ def read_checkpoint(load_dir, iteration=None) -> MergedCheckpoint:
     """Read, check and merge every shard of one iteration."""
     iter_dir, iteration = resolve_iteration_dir(load_dir, iteration)
     files = find_rank_files(iter_dir)
-    print(f"convert: reading {len(files)} shard(s) from {iter_dir}", flush=True)
+    _LOG.info(f"reading {len(files)} shard(s) from {iter_dir}")
     shards = {pos: load_shard_file(path) for pos, path in files.items()}
     first = shards[min(shards)]
     args = first.get("args")
@@ -242,35 +207,44 @@ def read_checkpoint(load_dir, iteration=None) -> MergedCheckpoint:
         raise UserError(f"{iter_dir}: shards say iteration {first.get('iteration')}, folder says {iteration}; "
                         "the folder was renamed or mixed up")
     version = float(first.get("checkpoint_version", 0) or 0)
-    shape = shape_from_args(args)
-    if shape.num_attention_heads % tp:
-        raise UserError(f"{shape.num_attention_heads} attention heads do not divide by TP {tp}; the args do not "
-                        "match the shards")
+    # The layout is the shards' (older args may not say it); the shape must split over it.
+    spec = dataclasses.replace(ModelSpec.from_args(args), tp=tp, pp=pp)
+    spec.check("the args do not match the shards")
     chunk_states = {pos: [canonical_names(m) for m in model_chunks(ck, files[pos])] for pos, ck in shards.items()}
     chunks = _check_same({pos: {"model chunks": len(c)} for pos, c in chunk_states.items()}, "model chunks", iter_dir)
     recorded = _arg(args, "virtual_pipeline_model_parallel_size")
     if (recorded or 1) != chunks:
         raise UserError(f"{iter_dir}: the shards hold {chunks} model chunk(s) each but args.virtual_pipeline_model_"
                         f"parallel_size is {recorded}; the args do not match the shards")
-    state = _merge(chunk_states, version, shape, tp, pp)  # positions in model order: chunk c of PP rank r is c x PP + r
-    if not shape.padded_vocab_size:
-        shape.padded_vocab_size = state["embedding.word_embeddings.weight"].shape[0]
-    shape.tied_embeddings = "output_layer.weight" not in state
-    dtype = state["embedding.word_embeddings.weight"].dtype
+    state = _merge(chunk_states, version, spec, tp, pp)  # positions in model order: chunk c of PP rank r is c x PP + r
+    embedding = state["embedding.word_embeddings.weight"]
+    spec = dataclasses.replace(spec, padded_vocab_size=spec.padded_vocab_size or embedding.shape[0],
+                               tied_embeddings="output_layer.weight" not in state)
     return MergedCheckpoint(
-        state=state, shape=shape, args=args, iteration=iteration, checkpoint_version=version,
-        tensor_parallel=tp, pipeline_parallel=pp, dtype=dtype, recipe=first.get("recipe"),
+        state=state, spec=spec, args=args, iteration=iteration, checkpoint_version=version,
+        tensor_parallel=tp, pipeline_parallel=pp, dtype=embedding.dtype, recipe=first.get("recipe"),
         recipe_hash=first.get("recipe_hash"), source=str(iter_dir),
     )
 
 
-def _merge(chunk_states: dict, version: float, shape: ModelShape, tp: int, pp: int) -> dict:
+def _sharding(spec: ModelSpec, *, tied: bool) -> ShardingMap:
+    """How the GPT of this shape splits each weight over TP, as its layers declare it (models.gpt)."""
+    return parameter_sharding(spec.to_model_config(untie_embeddings_and_output_weights=not tied))
+
+
+def _merge(chunk_states: dict, version: float, shape: ModelSpec, tp: int, pp: int) -> dict:
     """{(tp, pp): [flat state per model chunk]} -> the full canonical state."""
     heads_local = shape.num_attention_heads // tp
-    for flat in (f for states in chunk_states.values() for f in states):  # older QKV row orders -> 2.0/3.0
+    flats = [f for states in chunk_states.values() for f in states]
+    # Tied or not as the shards hold it (older args may not say), the model's own map splits them.
+    sharding = _sharding(shape, tied=not any("output_layer.weight" in flat for flat in flats))
+    unknown = sorted({n for flat in flats for n in flat if layer_generic_name(n) not in sharding})
+    if unknown:
+        raise UserError(f"checkpoint has weights this converter does not know: {unknown[:5]}; only GPT models convert")
+    for flat in flats:  # older QKV row orders -> 2.0/3.0
         for name in [n for n in flat if n.endswith(("query_key_value.weight", "query_key_value.bias"))]:
             flat[name] = to_canonical_qkv(flat[name], version, heads_local)
-    merged = merge_chunked_states(chunk_states, tp, pp)
+    merged = merge_chunked_states(chunk_states, tp, pp, sharding)
     layers = len({m.group(1) for m in map(LAYER_KEY.match, merged) if m})
     if layers != shape.num_layers:
         raise UserError(f"the shards hold {layers} layers but args.num_layers is {shape.num_layers}; "
@@ -283,60 +257,19 @@ def _merge(chunk_states: dict, version: float, shape: ModelShape, tp: int, pp: i
 # ----------------------------------------------------------------------------------------------
 
 
-def check_divisible(shape: ModelShape, tp: int, pp: int,
-                    num_layers_per_virtual_pipeline_stage: Optional[int] = None) -> None:
-    problems = []
-    if tp < 1 or pp < 1:
-        problems.append(f"TP {tp} and PP {pp} must be >= 1")
-    else:
-        for what, n in (("attention heads", shape.num_attention_heads), ("ffn_hidden_size", shape.ffn_hidden_size),
-                        ("padded vocab size", shape.padded_vocab_size)):
-            if n % tp:
-                problems.append(f"{what} {n} is not divisible by TP {tp}")
-        if shape.num_layers % pp:
-            problems.append(f"num_layers {shape.num_layers} is not divisible by PP {pp}")
-        vls = num_layers_per_virtual_pipeline_stage
-        if vls is not None and (vls < 1 or pp < 2 or shape.num_layers % (pp * vls)):
-            problems.append(f"num_layers {shape.num_layers} is not divisible by PP {pp} x "
-                            f"num_layers_per_virtual_pipeline_stage {vls} (virtual stages need PP >= 2)")
-    if problems:
-        raise UserError("; ".join(problems) + "; choose a --tp/--pp that divides the model")
-
-
-def split_state(state: dict, shape: ModelShape, tp: int, pp: int,
-                num_layers_per_virtual_pipeline_stage: Optional[int] = None) -> dict[tuple[int, int], Any]:
-    """Full canonical state -> {(tp_rank, pp_rank): nested Megatron `model` dict}; with virtual
-    pipeline stages, {(tp_rank, pp_rank): [nested dict of chunk 0, chunk 1, ...]} in Megatron's
-    interleaved layout (what `model_entries` writes as model0, model1, ...)."""
-    check_divisible(shape, tp, pp, num_layers_per_virtual_pipeline_stage)
-    vls = num_layers_per_virtual_pipeline_stage
+def split_state(state: dict, shape: ModelSpec) -> dict[tuple[int, int], Any]:
+    """Full canonical state -> {(tp_rank, pp_rank): nested Megatron `model` dict} over the spec's TP x PP;
+    with virtual pipeline stages, {(tp_rank, pp_rank): [nested dict of chunk 0, chunk 1, ...]} in
+    Megatron's interleaved layout (what `model_entries` writes as model0, model1, ...)."""
+    shape.check("choose a --tp/--pp that divides the model")
+    tp, pp, vls = shape.tp, shape.pp, shape.layers_per_virtual_stage
     chunks = 1 if vls is None else shape.num_layers // (pp * vls)
+    sharding = _sharding(shape, tied=shape.tied_embeddings)
     out: dict[tuple[int, int], Any] = {}
     for stage in range(pp):
         for rank in range(tp):
             nested = [nest_model_state(flat) for flat in split_chunked_state(
-                state, tp, pp, rank, stage, chunks, num_layers=shape.num_layers, tied=shape.tied_embeddings)]
+                state, tp, pp, rank, stage, chunks, num_layers=shape.num_layers, tied=shape.tied_embeddings,
+                sharding=sharding)]
             out[(rank, stage)] = nested[0] if vls is None else nested
     return out
-
-
-
-def args_for_shape(shape: ModelShape, tp: int, pp: int, **extra) -> argparse.Namespace:
-    """The args fields Megatron tools (and transformers' converter) read from a checkpoint."""
-    return argparse.Namespace(
-        num_layers=shape.num_layers,
-        hidden_size=shape.hidden_size,
-        num_attention_heads=shape.num_attention_heads,
-        ffn_hidden_size=shape.ffn_hidden_size,
-        padded_vocab_size=shape.padded_vocab_size,
-        max_position_embeddings=shape.max_position_embeddings,
-        seq_length=shape.max_position_embeddings,
-        bias_gelu_fusion=shape.gelu_approximation == "tanh",
-        openai_gelu=False,
-        untie_embeddings_and_output_weights=not shape.tied_embeddings,
-        layernorm_epsilon=shape.layernorm_epsilon,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        tokenizer_type="GPT2BPETokenizer",
-        **extra,
-    )

@@ -1,14 +1,8 @@
 """Build a recipe's corpus: loose JSON lines, key `content` plus where each document came from.
 
-Source kinds (a list of dicts, as in recipe.corpus.sources):
-- {"type": "python-stdlib", "shuffle_seed": N (optional)}: the running interpreter's standard-library
-  `.py` files, sorted by relative path, or in a fixed pseudo-random order of those paths with
-  `shuffle_seed` (so that Megatron's contiguous valid/test split samples the whole library rather
-  than its last packages); site-packages/dist-packages, and files that are not valid UTF-8 (a few
-  test fixtures on purpose), are left out.
-- {"type": "jsonl", "paths": [globs], "key": "content"}: `.jsonl` / `.jsonl.gz` files.
-- {"type": "hf-dataset", "name": ..., "revision": ..., "split": "train", "key": "content"}: through
-  the `datasets` library; `name` may also be a local directory (save_to_disk, or parquet/json files).
+The sources are typed (megatron_core.config.schema: PythonStdlibSource, JsonlSource, HfDatasetSource,
+each documented there) and checked when the recipe loads; this module reads each kind. A new kind is its
+dataclass in schema.py (with its entry in SOURCE_TYPES) and its reader in _READERS here.
 """
 
 from __future__ import annotations
@@ -21,8 +15,9 @@ import platform
 import random
 import sysconfig
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional, Sequence
 
+from megatron_core.config import CorpusSource, HfDatasetSource, JsonlSource, PythonStdlibSource
 from megatron_core.data.hub import hub_commit
 from megatron_core.errors import UserError
 from megatron_core.files import replace_atomically
@@ -30,19 +25,18 @@ from megatron_core.log import get_logger
 
 _LOG = get_logger(__name__, tag="corpus", stderr=True)
 
-SOURCE_TYPES = ("python-stdlib", "jsonl", "hf-dataset")
 _EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
-def _stdlib_documents(source: dict) -> Iterator[dict]:
+def _stdlib_documents(source: PythonStdlibSource) -> Iterator[dict]:
     root = Path(sysconfig.get_paths()["stdlib"])
     paths = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in _EXCLUDED_DIRS]
         paths.extend(Path(dirpath, f) for f in filenames if f.endswith(".py"))
     paths.sort(key=lambda p: p.relative_to(root).as_posix())
-    if source.get("shuffle_seed") is not None:
-        random.Random(int(source["shuffle_seed"])).shuffle(paths)
+    if source.shuffle_seed is not None:
+        random.Random(source.shuffle_seed).shuffle(paths)
     for path in paths:
         try:
             text = path.read_text(encoding="utf-8")
@@ -51,19 +45,13 @@ def _stdlib_documents(source: dict) -> Iterator[dict]:
         yield {"content": text, "path": path.relative_to(root).as_posix(), "source": "python-stdlib"}
 
 
-def _jsonl_documents(source: dict) -> Iterator[dict]:
-    key = source.get("key", "content")
-    patterns = source.get("paths") or []
-    if isinstance(patterns, str):
-        patterns = [patterns]
-    if not patterns:
-        raise UserError("corpus source jsonl needs 'paths' (files or globs of .jsonl / .jsonl.gz)")
-    for pattern in patterns:
+def _jsonl_documents(source: JsonlSource) -> Iterator[dict]:
+    for pattern in source.paths:
         files = sorted(glob.glob(os.path.expanduser(pattern)))
         if not files:
             raise UserError(f"corpus source jsonl: {pattern} matches no file; check the path")
         for path in files:
-            yield from _read_jsonl_file(path, key)
+            yield from _read_jsonl_file(path, source.key)
 
 
 def _read_jsonl_file(path: str, key: str) -> Iterator[dict]:
@@ -90,13 +78,10 @@ def _read_jsonl_file(path: str, key: str) -> Iterator[dict]:
                         "(a truncated or mislabelled .gz?)") from None
 
 
-def _hf_documents(source: dict) -> Iterator[dict]:
+def _hf_documents(source: HfDatasetSource) -> Iterator[dict]:
     import datasets
 
-    name = source.get("name")
-    if not name:
-        raise UserError("corpus source hf-dataset needs 'name' (a Hub dataset id or a local directory)")
-    key, split, revision = source.get("key", "content"), source.get("split", "train"), source.get("revision")
+    name, key, split, revision = source.name, source.key, source.split, source.revision
     local = Path(name)
     try:
         if any((local / marker).exists() for marker in ("dataset_dict.json", "dataset_info.json", "state.json")):
@@ -115,7 +100,7 @@ def _hf_documents(source: dict) -> Iterator[dict]:
                 raise UserError(f"corpus source hf-dataset {name}: pin a 'revision' (commit sha or tag) "
                                 "for a reproducible corpus")
             revision = hub_commit(name, revision, "dataset")  # what a branch or tag points at now, recorded
-            _LOG.info(f"hf-dataset {name}@{source.get('revision')} resolved to commit {revision}")
+            _LOG.info(f"hf-dataset {name}@{source.revision} resolved to commit {revision}")
             ds = datasets.load_dataset(name, revision=revision, split=split, streaming=True)
     except UserError:
         raise
@@ -131,18 +116,19 @@ def _hf_documents(source: dict) -> Iterator[dict]:
         yield {"content": value, "dataset": name, "revision": revision, "row": index, "source": "hf-dataset"}
 
 
-_READERS = {"python-stdlib": _stdlib_documents, "jsonl": _jsonl_documents, "hf-dataset": _hf_documents}
+# Each source type's reader (a type without one is refused by tests/test_corpus_sources.py).
+_READERS: dict[type[CorpusSource], Callable[..., Iterator[dict]]] = {
+    PythonStdlibSource: _stdlib_documents, JsonlSource: _jsonl_documents, HfDatasetSource: _hf_documents,
+}
 
 
-def iter_documents(sources: list) -> Iterator[dict]:
+def iter_documents(sources: Sequence[CorpusSource]) -> Iterator[dict]:
     for source in sources:
-        kind = source.get("type") if isinstance(source, dict) else None
-        if kind not in _READERS:
-            raise UserError(f"corpus source {source!r} has unknown type {kind!r}; use one of {', '.join(SOURCE_TYPES)}")
-        yield from _READERS[kind](source)
+        yield from _READERS[type(source)](source)
 
 
-def build_corpus(sources: list, out_path, max_documents: Optional[int] = None, max_bytes: Optional[int] = None) -> dict:
+def build_corpus(sources: Sequence[CorpusSource], out_path, max_documents: Optional[int] = None,
+                 max_bytes: Optional[int] = None) -> dict:
     """Write every source's documents (in order) as JSON lines to out_path, atomically.
     Stops before the document that would exceed max_documents or max_bytes (of content, UTF-8)."""
     out_path = Path(out_path)
@@ -167,13 +153,13 @@ def build_corpus(sources: list, out_path, max_documents: Optional[int] = None, m
                 if doc["source"] == "hf-dataset":
                     resolved[doc["dataset"]] = doc["revision"]
         if documents == 0:
-            raise UserError(f"the corpus sources {sources!r} gave no documents; "
+            raise UserError(f"the corpus sources {[source.to_dict() for source in sources]} gave no documents; "
                             "check them (and max_documents/max_bytes)")
 
     replace_atomically(out_path, write)
     summary = {"documents": documents, "content_bytes": content_bytes, "per_source": per_source, "path": str(out_path),
                "resolved_revisions": resolved}
-    if any(source.get("type") == "python-stdlib" for source in sources):
+    if any(isinstance(source, PythonStdlibSource) for source in sources):
         summary["python"] = platform.python_version()  # the standard library it read is this Python's
     _LOG.info(f"{documents} documents, {content_bytes / 1e6:.1f} MB of content -> {out_path}")
     return summary

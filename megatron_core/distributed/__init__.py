@@ -13,14 +13,16 @@
         at exit and some versions hang.
 
     DistributedDataParallel(module, parallel, *, bucket_size=None, reduce_kind="all_reduce", grad_dtype=None)
-        Wraps a GPTModel (at any DP size, as Megatron does: the wrapper owns the main_grad
-        buffers gradients accumulate in); see grad_sync.py for the bucketed, overlapped reduction.
-        zero_grad_buffer(), no_sync(), finish_grad_sync(), set_input_tensor(t), shared_embedding_parameters();
-        state_dict()/load_state_dict() are the module's own (checkpoint keys do not change).
+        Wraps a GPTModel or GPTModelChunks (at any DP size, as Megatron does: the wrapper owns the
+        main_grad buffers gradients accumulate in); see grad_sync.py for the bucketed, overlapped
+        reduction. It implements the model protocol (trainable.py: `module`, `chunks`,
+        zero_grad_buffer(), no_sync(), finish_grad_sync(), set_input_tensor(t)), which the schedules
+        call after the last backward; state_dict()/load_state_dict() are the module's own (checkpoint
+        keys do not change). Nothing else is forwarded: the inner model is `.module`.
 
-    finalize_model_grads(model)
-        What the schedules call after the last backward: the wrapper's finish_grad_sync(), or,
-        for a bare model (DP = 1), the sequence-parallel and tied-embedding sums on their own.
+    LocalModel(module)
+        The same protocol for a model at DP = 1 without the wrapper (gradients in `.grad`; finishing
+        the sync is the sequence-parallel and tied-embedding sums on their own).
 
     The distributed optimizer that shards over these buckets lives in megatron_core.optimizer.
 """
@@ -31,19 +33,18 @@ import contextlib
 import datetime
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megatron_core import parallel_state as ps
-from megatron_core.distributed.grad_sync import (
-    GradSync,
-    ReduceKind,
-    allreduce_embedding_grads,
-    allreduce_sequence_parallel_grads,
-)
+from megatron_core.distributed.grad_sync import GradSync, ReduceKind
+from megatron_core.distributed.trainable import LocalModel, TrainableModel, shared_embedding_parameters
 from megatron_core.errors import UserError
+from megatron_core.log import get_logger
+
+_LOG = get_logger(__name__)  # lines read "distributed: ..." as they always have
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ def init_distributed(backend: Optional[str] = None, timeout_minutes: float = 30.
     if dist.is_initialized():
         return DistributedInfo(dist.get_rank(), dist.get_world_size(), local_rank, dist.get_backend(), device)
     if world_size == 1 and "MASTER_ADDR" not in os.environ:
-        print(f"distributed: single process (no process group), device {device}", flush=True)
+        _LOG.info(f"distributed: single process (no process group), device {device}")
         return DistributedInfo(0, 1, 0, None, device)
     for name in ("MASTER_ADDR", "MASTER_PORT"):
         if name not in os.environ:
@@ -92,8 +93,8 @@ def init_distributed(backend: Optional[str] = None, timeout_minutes: float = 30.
                             device_id=device if device.type == "cuda" else None)
     _CREATED_PROCESS_GROUP = True
     if rank == 0:
-        print(f"distributed: backend {backend}, world size {world_size}, "
-              f"master {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
+        _LOG.info(f"distributed: backend {backend}, world size {world_size}, "
+                  f"master {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
     return DistributedInfo(rank, world_size, local_rank, backend, device)
 
 
@@ -108,16 +109,6 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
-def _shared_embedding_parameters(module) -> list:
-    if ps.get_pipeline_model_parallel_world_size() == 1:
-        return []  # one stage holds the tied weight once; autograd already sums both uses
-    getter = getattr(module, "shared_embedding_parameters", None)
-    if getter is None:
-        raise TypeError(f"{type(module).__name__} has no shared_embedding_parameters(); pipeline parallelism "
-                        "needs it to sum the tied word-embedding grads of the first and last stage")
-    return list(getter())
-
-
 class DistributedDataParallel(torch.nn.Module):
     """A model replica whose gradients are averaged over its data-parallel group in buckets."""
 
@@ -128,7 +119,7 @@ class DistributedDataParallel(torch.nn.Module):
         self.grad_sync = GradSync(list(module.parameters()),
                                   bucket_size=bucket_size or parallel.ddp_bucket_size,
                                   reduce_kind=reduce_kind, sequence_parallel=parallel.sequence_parallel,
-                                  shared_embedding_params=_shared_embedding_parameters(module), grad_dtype=grad_dtype)
+                                  shared_embedding_params=shared_embedding_parameters(module), grad_dtype=grad_dtype)
         if ps.get_data_parallel_world_size() > 1:
             self._broadcast_params()
 
@@ -152,11 +143,12 @@ class DistributedDataParallel(torch.nn.Module):
     def finish_grad_sync(self) -> None:
         self.grad_sync.finish()
 
+    @property
+    def chunks(self) -> Sequence[torch.nn.Module]:
+        return self.module.chunks
+
     def set_input_tensor(self, tensor) -> None:
         self.module.set_input_tensor(tensor)
-
-    def shared_embedding_parameters(self):
-        return self.module.shared_embedding_parameters()
 
     def state_dict(self, *args, **kwargs):
         return self.module.state_dict(*args, **kwargs)
@@ -164,32 +156,12 @@ class DistributedDataParallel(torch.nn.Module):
     def load_state_dict(self, state_dict, strict: bool = True, **kwargs):
         return self.module.load_state_dict(state_dict, strict=strict, **kwargs)
 
-    def __getattr__(self, name):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(super().__getattr__("module"), name)
-
-
-def finalize_model_grads(model) -> None:
-    """Complete every gradient reduction of this iteration (see module docstring)."""
-    finish = getattr(model, "finish_grad_sync", None)
-    if finish is not None:
-        finish()
-        return
-    if ps.get_data_parallel_world_size() > 1:
-        raise TypeError("data-parallel size > 1 but the model is not wrapped in "
-                        "megatron_core.distributed.DistributedDataParallel; its gradients would not be averaged")
-    params = list(model.parameters())
-    if getattr(getattr(model, "parallel", None), "sequence_parallel", False):
-        allreduce_sequence_parallel_grads(params)
-    allreduce_embedding_grads(_shared_embedding_parameters(model))
-
 
 __all__ = [
     "DistributedDataParallel",
     "DistributedInfo",
+    "LocalModel",
+    "TrainableModel",
     "destroy_distributed",
-    "finalize_model_grads",
     "init_distributed",
 ]

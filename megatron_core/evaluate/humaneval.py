@@ -27,6 +27,9 @@ from tqdm import tqdm
 from megatron_core.errors import UserError
 from megatron_core.evaluate import sandbox
 from megatron_core.evaluate.generate import HUMANEVAL_STOP, truncate_at_stop
+from megatron_core.log import get_logger
+
+_LOG = get_logger(__name__)  # lines read "humaneval: ..." as they always have
 
 
 @dataclass
@@ -296,8 +299,8 @@ class _Progress:
         self.settings, self.todo = settings, total - done
         self.new_tokens, self.samples, self.seconds, self.estimated = 0, 0, 0.0, False
         n, t = settings.num_samples, settings.max_new_tokens
-        print(f"humaneval: {self.todo} problems to generate: {self.todo * n} samples, at most "
-              f"{self.todo * n * t:,} new tokens ({t} per sample; stop sequences end most earlier)", flush=True)
+        _LOG.info(f"humaneval: {self.todo} problems to generate: {self.todo * n} samples, at most "
+                  f"{self.todo * n * t:,} new tokens ({t} per sample; stop sequences end most earlier)")
         self.bar = tqdm(total=total, initial=done, desc="humaneval", unit="problem", mininterval=2.0)
 
     def generated(self, problems: int, new_tokens: int, seconds: float) -> None:
@@ -349,9 +352,9 @@ def evaluate_humaneval(
     # Weak isolation runs samples as this user: they could have rewritten the cache, so nothing is resumed from it.
     done = {} if weak else _read_cache(cache, problems, settings.key())
     workers = workers or os.cpu_count() or 1
-    print(f"humaneval: {len(problems)} problems x {settings.num_samples} samples, T={settings.temperature}, "
-          f"top-p {settings.top_p}; {sum(p['task_id'] in done for p in problems)} cached in {cache}; "
-          f"{workers} sandbox workers; {sandbox.describe(weak)}", flush=True)
+    _LOG.info(f"humaneval: {len(problems)} problems x {settings.num_samples} samples, T={settings.temperature}, "
+              f"top-p {settings.top_p}; {sum(p['task_id'] in done for p in problems)} cached in {cache}; "
+              f"{workers} sandbox workers; {sandbox.describe(weak)}")
     progress = _Progress(len(problems), sum(p["task_id"] in done for p in problems), settings)
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sandbox")
     running: list[tuple[dict, list[str], list[Future]]] = []

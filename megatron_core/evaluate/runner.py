@@ -2,9 +2,10 @@
 
 `model` is a Hugging Face model directory (a converted one), a Megatron checkpoint directory
 (converted to a GPT2LMHeadModel in memory, no files written), or a loaded model (a transformers
-causal LM, or our MegatronCausalLM; pass `tokenizer` then). Everything runs on one Placement: the
-recipe's device and precision unless `device`/`dtype` say otherwise. Writes evaluation.json and
-evaluation.md (ours beside the recipe's `evaluate.reference`) into out_dir, only when all went well.
+causal LM, or a module holding our GPTModel as `.gpt` and its ModelSpec as `.spec`; pass `tokenizer`
+then). Everything runs on one Placement: the recipe's device and precision unless `device`/`dtype` say
+otherwise. Writes evaluation.json and evaluation.md (ours beside the recipe's `evaluate.reference`) into
+out_dir, only when all went well.
 """
 
 from __future__ import annotations
@@ -18,14 +19,18 @@ from typing import Optional, Union
 
 import torch
 
+from megatron_core.config import ModelSpec
 from megatron_core.convert.megatron_to_hf import eod_id_of, gpt2_model
-from megatron_core.convert.shards import ModelShape, read_checkpoint
+from megatron_core.convert.shards import read_checkpoint
 from megatron_core.errors import UserError
 from megatron_core.files import replace_atomically
 from megatron_core.evaluate.generate import SamplingConfig, generate_cached
 from megatron_core.evaluate.humaneval import HumanEvalSettings, evaluate_humaneval, load_problems, sandbox_is_weak
 from megatron_core.evaluate.perplexity import evaluate_perplexity
 from megatron_core.evaluate.placement import Placement, resolve_placement
+from megatron_core.log import get_logger
+
+_LOG = get_logger(__name__)  # lines read "evaluate: ..." and "humaneval: ..." as they always have
 
 CPU = Placement(torch.device("cpu"), torch.float32)
 
@@ -83,7 +88,7 @@ def _tokenizer_for_checkpoint(path: Path, args):
         return _tokenizer_from_dir(Path(tmp))
 
 
-def _gpt2_in_memory(state: dict, shape: ModelShape, args, eod_id: Optional[int], placement: Placement,
+def _gpt2_in_memory(state: dict, shape: ModelSpec, args, eod_id: Optional[int], placement: Placement,
                     attn_implementation: str):
     """Our merged Megatron state as a GPT2LMHeadModel (the mapping `invoke convert` writes), nothing on disk."""
     if placement.device_map:
@@ -97,19 +102,20 @@ def load_for_evaluation(model, tokenizer=None, placement: Placement = CPU,
     if isinstance(model, torch.nn.Module):
         if tokenizer is None:
             raise UserError("evaluating a loaded model needs its tokenizer (tokenizer=...)")
-        if hasattr(model, "gpt") and hasattr(model, "shape"):  # our MegatronCausalLM
+        if hasattr(model, "gpt") and hasattr(model, "spec"):  # our GPTModel with its ModelSpec
             state = {k: v for k, v in model.gpt.state_dict().items() if not k.endswith("_extra_state")}
-            hf = _gpt2_in_memory(state, model.shape, None, eod_id_of(tokenizer), placement, attn_implementation)
+            hf = _gpt2_in_memory(state, model.spec, None, eod_id_of(tokenizer), placement, attn_implementation)
             return LoadedModel(hf, tokenizer, _state_hash(state), "GPTModel (in memory, as GPT2)", placement)
         if not hasattr(model, "generation_config"):
-            raise UserError(f"{type(model).__name__} is neither a transformers causal LM nor our MegatronCausalLM")
+            raise UserError(f"{type(model).__name__} is neither a transformers causal LM nor our GPTModel "
+                            "(.gpt with its .spec)")
         return LoadedModel(model.to(placement.device, placement.dtype), tokenizer, _state_hash(model.state_dict()),
                            type(model).__name__, placement)
     path = Path(model)
     if (path / "latest_checkpointed_iteration.txt").exists():
         ckpt = read_checkpoint(path)
         tok = tokenizer or _tokenizer_for_checkpoint(path, ckpt.args)
-        hf = _gpt2_in_memory(ckpt.state, ckpt.shape, ckpt.args, eod_id_of(tok), placement, attn_implementation)
+        hf = _gpt2_in_memory(ckpt.state, ckpt.spec, ckpt.args, eod_id_of(tok), placement, attn_implementation)
         loaded = LoadedModel(hf, tok, f"{ckpt.recipe_hash}-it{ckpt.iteration}-{_state_hash(ckpt.state)}",
                              f"GPTModel from {path} (converted in memory, {attn_implementation})", placement)
         loaded.path, loaded.iteration = str(path.resolve()), ckpt.iteration
@@ -225,9 +231,9 @@ class HumanEvalSampler:
         ids = [tok.encode(p) for p in prompts]
         cut = sum(len(i) > self.max_prompt for i in ids)
         if cut:  # the model has no positions past its context window: long prompts keep their end
-            print(f"humaneval: {cut} prompt(s) longer than {self.max_prompt} tokens keep their last {self.max_prompt} "
-                  f"(the model has {self.loaded.context_window} positions, {self.settings.max_new_tokens} of them "
-                  "for new tokens)", flush=True)
+            _LOG.info(f"humaneval: {cut} prompt(s) longer than {self.max_prompt} tokens keep their last "
+                      f"{self.max_prompt} (the model has {self.loaded.context_window} positions, "
+                      f"{self.settings.max_new_tokens} of them for new tokens)")
         ids = [i[-self.max_prompt:] for i in ids]
         uniforms = torch.cat([self.uniforms(p, n) for p in prompts])
         owner = [i for i in range(len(prompts)) for _ in range(n)]  # the prompt of each row
@@ -247,7 +253,7 @@ class HumanEvalSampler:
             # out of the except block, so the failed batch's tensors are free: retry with half the rows
             self.batch //= 2
             torch.cuda.empty_cache()
-            print(f"humaneval: out of GPU memory; generation batch now {self.batch} rows", flush=True)
+            _LOG.info(f"humaneval: out of GPU memory; generation batch now {self.batch} rows")
         texts = [tok.decode(t) for t in tokens]
         return [texts[i * n:(i + 1) * n] for i in range(len(prompts))], sum(map(len, tokens))
 
@@ -294,7 +300,7 @@ def evaluate(recipe, model: Union[str, Path, torch.nn.Module], *, workdir=".", o
         sampler = HumanEvalSampler(loaded, settings, generation_batch or auto_batch(loaded))
     out_dir = Path(out_dir or Path(workdir) / "evaluation")
     out_dir.mkdir(parents=True, exist_ok=True)
-    print(f"evaluate: {loaded.description}, model hash {loaded.model_hash}", flush=True)
+    _LOG.info(f"evaluate: {loaded.description}, model hash {loaded.model_hash}")
     results: dict = {"recipe": recipe.name, "recipe_hash": recipe.hash, "model": loaded.description,
                      "model_hash": loaded.model_hash, "model_path": loaded.path,
                      "checkpoint_iteration": loaded.iteration}
@@ -304,7 +310,7 @@ def evaluate(recipe, model: Union[str, Path, torch.nn.Module], *, workdir=".", o
         results["perplexity"] = {name: {**evaluate_perplexity(loaded.logits, ds, batch_size, limit, desc=name),
                                         **placement.to_json()} for name, ds in datasets.items()}
         for name, r in results["perplexity"].items():
-            print(f"evaluate: {name} loss {r['loss']:.6f} ppl {r['ppl']:.4f} over {r['tokens']} tokens", flush=True)
+            _LOG.info(f"evaluate: {name} loss {r['loss']:.6f} ppl {r['ppl']:.4f} over {r['tokens']} tokens")
     if do_he:
         he = evaluate_humaneval(sampler, settings, model_hash=loaded.model_hash, cache_dir=out_dir / "cache",
                                 allow_code_execution=True, problems=problems,
@@ -316,13 +322,13 @@ def evaluate(recipe, model: Union[str, Path, torch.nn.Module], *, workdir=".", o
     earlier = earlier_results(out_dir)
     if not do_he and earlier and earlier.get("model_hash") == loaded.model_hash and "humaneval" in earlier:
         # the same model's HumanEval, from an earlier --humaneval run: kept unless HumanEval is asked for again
-        print("evaluate: keeping the earlier HumanEval results of this model (--humaneval recomputes them)", flush=True)
+        _LOG.info("evaluate: keeping the earlier HumanEval results of this model (--humaneval recomputes them)")
         results["humaneval"] = earlier["humaneval"]
         results.update({k: v for k, v in earlier.items() if k.startswith("pass@")})
     results["reference"] = dict(e.reference)
     _write_atomic(out_dir / "evaluation.json", json.dumps(results, indent=2, default=str) + "\n")
     _write_atomic(out_dir / "evaluation.md", f"# {recipe.name}: evaluation\n\n{markdown_table(results, e.reference)}")
-    print(f"evaluate: wrote {out_dir / 'evaluation.json'} and evaluation.md", flush=True)
+    _LOG.info(f"evaluate: wrote {out_dir / 'evaluation.json'} and evaluation.md")
     return results
 
 

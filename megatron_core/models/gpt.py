@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -38,7 +39,8 @@ from torch import nn
 
 from megatron_core import fusions as kernels
 from megatron_core import parallel_state
-from megatron_core.config import ModelConfig, ParallelConfig
+from megatron_core.checkpoint_format import TensorSharding, layer_generic_name
+from megatron_core.config import ModelConfig, ModelSpec, ParallelConfig
 from megatron_core.errors import UserError
 from megatron_core.fusions import FusionBackends
 from megatron_core.fusions.backends import unresolved_attention
@@ -58,6 +60,7 @@ from megatron_core.tensor_parallel import (
     vocab_parallel_cross_entropy,
     zeros_init,
 )
+from megatron_core.tensor_parallel.layers import declared_sharding
 from megatron_core.tensor_parallel.random import tracked_dropout
 
 # ----------------------------------------------------------------------------------------------
@@ -275,6 +278,7 @@ class Encoder(nn.Module):
 
 
 def _check_layout(config: ModelConfig, parallel: ParallelConfig, padded_vocab_size: int) -> None:
+    """Whether the live process groups are this layout, then the shape and layout rules (ModelSpec's)."""
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     live_tp = parallel_state.get_tensor_model_parallel_world_size()
     live_pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -283,10 +287,8 @@ def _check_layout(config: ModelConfig, parallel: ParallelConfig, padded_vocab_si
     if tp != live_tp or (live_pp != 1 and pp != live_pp):
         raise UserError(f"the model asks for TP {tp} x PP {pp} but the process groups are TP {live_tp} x PP "
                         f"{live_pp}; call parallel_state.initialize_model_parallel({tp}, {pp}) before building")
-    parallel_state.validate_layout(tp * pp, tp, pp, config.num_attention_heads, config.num_layers,
-                                   ffn_hidden_size=config.ffn_size, padded_vocab_size=padded_vocab_size,
-                                   seq_length=config.seq_length, sequence_parallel=parallel.sequence_parallel,
-                                   num_layers_per_virtual_pipeline_stage=parallel.num_layers_per_virtual_pipeline_stage)
+    ModelSpec.from_configs(config, parallel, padded_vocab_size).check(
+        "change the recipe's parallel sizes or model shape")
 
 
 def _backends_for(config: ModelConfig, fusions: Optional[FusionBackends]) -> FusionBackends:
@@ -358,7 +360,7 @@ class GPTModel(nn.Module):
             self.output_layer = ColumnParallelLinear(config.hidden_size, padded_vocab_size, bias=False,
                                                      sequence_parallel=self.sequence_parallel,
                                                      init_method=normal_init(config.init_method_std),
-                                                     initialize=False)
+                                                     initialize=False, vocab_padded=True)
         if self.post_process and self.tied and not self.pre_process:
             # The last stage's copy of the tied word embeddings; initialized like the first stage's
             # (same global name, same draw), and kept equal by the embedding-group all-reduce.
@@ -416,6 +418,11 @@ class GPTModel(nn.Module):
             generator = torch.Generator().manual_seed(_parameter_seed(seed, self.global_parameter_name(name)))
             initialize_parameter(param, generator=generator)
 
+    @property
+    def chunks(self) -> list[GPTModel]:
+        """The stage modules (the model protocol's `chunks`): this one model, saved as `model`."""
+        return [self]
+
     # -- running -----------------------------------------------------------------------------
     def set_input_tensor(self, input_tensor) -> None:
         """The previous stage's output for a non-first stage (a tensor, or a list holding one)."""
@@ -441,12 +448,12 @@ class GPTModel(nn.Module):
 
 
 class GPTModelChunks(nn.Module):
-    """This PP rank's model chunks under the interleaved 1F1B schedule (Megatron keeps a list of
-    models; one module here, so the optimizer, the data-parallel wrapper and the grad norm see
-    every parameter once). Chunk c is `chunks[c]`, a GPTModel holding global layers
-    parallel_state.stage_layers(..., virtual_rank=c). Only the schedule runs it, chunk by chunk;
-    checkpoints hold each chunk's own state_dict() as `model{c}` (the trainer saves and loads
-    chunk by chunk, so the keys are a GPTModel's, with layer numbers local to the chunk).
+    """This PP rank's model chunks under the interleaved 1F1B schedule: a container, as nn.ModuleList
+    is (no forward of its own), so that the optimizer, the data-parallel wrapper and the grad norm see
+    every parameter once (Megatron keeps a list of models). Chunk c is `chunks[c]`, a GPTModel holding
+    global layers parallel_state.stage_layers(..., virtual_rank=c); the schedule runs them one by one.
+    Parameter names are `chunks.<c>.<name>` (the optimizer state's); checkpoints hold each chunk's own
+    state_dict() as `model{c}` (keys a GPTModel's, layer numbers local to the chunk).
     """
 
     def __init__(self, chunks: list[GPTModel]) -> None:
@@ -479,13 +486,6 @@ class GPTModelChunks(nn.Module):
             raise ValueError(f"{name!r} is not a parameter of a model chunk")
         return self.chunks[int(match[1])].global_parameter_name(match[2])
 
-    def set_input_tensor(self, _input_tensor) -> None:
-        raise RuntimeError("GPTModelChunks runs chunk by chunk: the interleaved schedule sets each chunk's input")
-
-    def forward(self, *_args, **_kwargs):
-        raise RuntimeError("GPTModelChunks runs chunk by chunk under the interleaved schedule "
-                           "(megatron_core.pipeline_parallel.forward_backward_pipelining_with_interleaving)")
-
 
 def build_gpt_model(config: ModelConfig, parallel: ParallelConfig, padded_vocab_size: int, *,
                     fusions: Optional[FusionBackends] = None, init_seed: Optional[int] = None):
@@ -496,6 +496,21 @@ def build_gpt_model(config: ModelConfig, parallel: ParallelConfig, padded_vocab_
         return GPTModel(config, parallel, padded_vocab_size, fusions=fusions, init_seed=init_seed)
     return GPTModelChunks([GPTModel(config, parallel, padded_vocab_size, fusions=fusions, init_seed=init_seed,
                                     virtual_pipeline_rank=c) for c in range(chunks)])
+
+
+def parameter_sharding(config: ModelConfig) -> dict[str, TensorSharding]:
+    """{layer-generic parameter name (checkpoint_format.layer_generic_name): how it lies across TP ranks} of
+    the GPT that `config` describes, read from what its tensor-parallel layers declare: the one source that
+    checkpoint merging and splitting, resharding on load and convert use. Built on the meta device as a
+    single process (no weights drawn, no process groups needed, whatever this process's layout) with one
+    layer, which stands for every layer. It includes the tied head's copy of the word embedding
+    (`word_embeddings_for_head`, on a last stage that is not the first)."""
+    one_layer, vocab = replace(config, num_layers=1), config.make_vocab_size_divisible_by  # any padded size
+    with parallel_state.single_process_view(), torch.device("meta"):
+        stages = [GPTModel(one_layer, ParallelConfig(), vocab, pre_process=True, post_process=True),
+                  GPTModel(one_layer, ParallelConfig(), vocab, pre_process=False, post_process=True)]
+    return {layer_generic_name(name): declared_sharding(param)
+            for stage in stages for name, param in stage.named_parameters()}
 
 
 def compile_layers(model) -> None:
@@ -512,7 +527,7 @@ def compile_layers(model) -> None:
     if model.config.attention_backend == "blocked":
         raise UserError("training.compile cannot trace attention_backend blocked (a hand-written CPU kernel); use "
                         "--set attention_backend=auto (SDPA inside the compiled layer), or training.compile=false")
-    for stage in getattr(model, "chunks", [model]):
+    for stage in model.chunks:
         if "blocked" in (stage.ops.backends.attention, stage.ops.backends.attention_with_dropout):
             raise ValueError("the backends chose the blocked attention kernel, which cannot be compiled: pass "
                              "compile=True to resolve_backends for a model whose layers are compiled")

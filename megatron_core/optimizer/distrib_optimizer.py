@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_core import parallel_state as ps
+from megatron_core.distributed import DistributedDataParallel
 from megatron_core.distributed.grad_sync import Bucket, all_gather_into
 from megatron_core.optimizer.clip_grads import Poison, clip_by_norm_, counts_for_norm, global_grad_norm
 from megatron_core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
@@ -55,14 +56,15 @@ def _all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
 
 
 class DistributedOptimizer(FP32MasterOptimizer):
-    def __init__(self, model, settings: AdamSettings, *, precision: str = "fp32", clip_grad: float = 1.0,
-                 grad_scaler=None, device: Optional[torch.device] = None, fused_adam_cls=None) -> None:
-        grad_sync = getattr(model, "grad_sync", None)
-        if grad_sync is None or grad_sync.reduce_kind != "reduce_scatter":
+    def __init__(self, model: DistributedDataParallel, settings: AdamSettings, *, precision: str = "fp32",
+                 clip_grad: float = 1.0, grad_scaler=None, device: Optional[torch.device] = None,
+                 fused_adam_cls=None) -> None:
+        if not isinstance(model, DistributedDataParallel) or model.grad_sync.reduce_kind != "reduce_scatter":
             raise TypeError("DistributedOptimizer needs the model wrapped in "
                             "DistributedDataParallel(module, parallel, reduce_kind='reduce_scatter')")
         if precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"precision {precision!r} is not fp32, bf16 or fp16")
+        grad_sync = model.grad_sync
         self.grad_sync, self.precision, self.clip_grad = grad_sync, precision, float(clip_grad)
         self.grad_scaler = grad_scaler or (DynamicGradScaler() if precision == "fp16" else ConstantGradScaler())
         self.dp_group, self.dp_rank, self.dp_size = grad_sync.group, grad_sync.dp_rank, grad_sync.dp_size

@@ -23,19 +23,19 @@ THE CONTRACT (the training loop codes to this; both schedules below honour it):
         this rank times the loss scale. Averaging across data-parallel ranks is grad sync's job.
 
     forward_only=True: no graph, no backward (evaluation); the loss dicts are still returned.
-    After the last backward (forward_only=False) the schedule calls
-    `megatron_core.distributed.finalize_model_grads(model)`: it waits for the data-parallel
-    gradient reduction, all-reduces sequence-parallel parameters' grads across TP and the tied
-    word-embedding grads across the embedding group (first + last stage). The trainer calls
-    nothing else between forward_backward and optimizer.step().
+    After the last backward (forward_only=False) the schedule calls `model.finish_grad_sync()`:
+    it waits for the data-parallel gradient reduction, all-reduces sequence-parallel parameters'
+    grads across TP and the tied word-embedding grads across the embedding group (first + last
+    stage). The trainer calls nothing else between forward_backward and optimizer.step().
 
-    `model` is a GPTModel or the data-parallel wrapper `megatron_core.distributed.
-    DistributedDataParallel` around one. With the wrapper, gradient reduction is launched only
-    during the backward of the last micro batch (`model.no_sync()` for the others).
+    `model` implements the model protocol (megatron_core.distributed.TrainableModel): the
+    data-parallel wrapper `DistributedDataParallel` around a GPTModel (or GPTModelChunks), or
+    `LocalModel` around one at DP = 1. Gradient reduction is launched only during the backward
+    of the last micro batch (`model.no_sync()` for the others).
 
     Activations travel between stages as [s, b, h] ([s/tp, b, h] with sequence parallelism)
     in the dtype of the model's parameters; `hidden_size` and `sequence_parallel` are read from
-    the model (`model.config`, `model.parallel`) unless given.
+    the wrapped model (`model.module.config`, `model.module.parallel`) unless given.
 
 Schedules: `forward_backward_no_pipelining` (PP = 1: gradient accumulation over micro batches),
 `forward_backward_pipelining_without_interleaving` (Megatron's 1F1B: stage r runs
@@ -54,6 +54,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from megatron_core import parallel_state as ps
+from megatron_core.distributed import TrainableModel
 from megatron_core.errors import UserError
 from megatron_core.pipeline_parallel.p2p import StageLink
 
@@ -61,26 +62,21 @@ LossFunc = Callable[[torch.Tensor], tuple[torch.Tensor, dict]]
 ForwardStepFunc = Callable[[Optional[Iterator], Any], tuple[torch.Tensor, LossFunc]]
 
 
-def _unwrap(model):
-    """The GPTModel inside a data-parallel wrapper (or the model itself)."""
-    return getattr(model, "module", model)
-
-
-def _first_param(model) -> torch.Tensor:
-    for param in _unwrap(model).parameters():
+def _first_param(model: TrainableModel) -> torch.Tensor:
+    for param in model.module.parameters():
         if param.is_floating_point():
             return param
     raise ValueError("the model has no floating-point parameters; cannot infer the activation dtype")
 
 
-def activation_shape(model, seq_length: int, micro_batch_size: int, hidden_size: Optional[int] = None,
-                     sequence_parallel: Optional[bool] = None) -> tuple[int, int, int]:
+def activation_shape(model: TrainableModel, seq_length: int, micro_batch_size: int,
+                     hidden_size: Optional[int] = None, sequence_parallel: Optional[bool] = None
+                     ) -> tuple[int, int, int]:
     """Shape of the tensor sent between stages: [s, b, h], or [s/tp, b, h] with sequence parallelism."""
-    inner = _unwrap(model)
     if hidden_size is None:
-        hidden_size = inner.config.hidden_size
+        hidden_size = model.module.config.hidden_size
     if sequence_parallel is None:
-        sequence_parallel = bool(getattr(getattr(inner, "parallel", None), "sequence_parallel", False))
+        sequence_parallel = bool(model.module.parallel.sequence_parallel)
     tp = ps.get_tensor_model_parallel_world_size()
     seq = seq_length // tp if sequence_parallel else seq_length
     return (seq, micro_batch_size, hidden_size)
@@ -89,11 +85,13 @@ def activation_shape(model, seq_length: int, micro_batch_size: int, hidden_size:
 class _MicroBatchRunner:
     """Forward and backward of one micro batch on this stage (or on one model chunk of it, under the
     interleaved schedule: then first/last stage are the chunk's place in the whole pipeline,
-    `sync_model` is the data-parallel wrapper around every chunk and `losses` is shared)."""
+    `model` is the chunk, `sync_model` the model protocol's implementation around every chunk and
+    `losses` is shared)."""
 
     def __init__(self, forward_step_func: ForwardStepFunc, data_iterator, model, num_microbatches: int,
                  forward_only: bool, loss_scale: float, *, first_stage: Optional[bool] = None,
-                 last_stage: Optional[bool] = None, sync_model=None, losses: Optional[list] = None):
+                 last_stage: Optional[bool] = None, sync_model: Optional[TrainableModel] = None,
+                 losses: Optional[list] = None):
         if num_microbatches < 1:
             raise ValueError(f"num_microbatches must be >= 1 (got {num_microbatches})")
         self.forward_step_func, self.data_iterator, self.model = forward_step_func, data_iterator, model
@@ -122,8 +120,7 @@ class _MicroBatchRunner:
         """Backward of one micro batch; returns the gradient for the previous stage."""
         self.backwards_done += 1
         is_last_backward = self.backwards_done == self.num_microbatches
-        no_sync = getattr(self.sync_model, "no_sync", None)
-        gate = no_sync() if (no_sync is not None and not is_last_backward) else contextlib.nullcontext()
+        gate = contextlib.nullcontext() if is_last_backward else self.sync_model.no_sync()
         with gate:
             if self.last_stage:
                 torch.autograd.backward(output * self.loss_scale)
@@ -133,14 +130,12 @@ class _MicroBatchRunner:
 
     def finish(self) -> list[dict]:
         if not self.forward_only:
-            from megatron_core.distributed import finalize_model_grads
-
-            finalize_model_grads(self.sync_model)
+            self.sync_model.finish_grad_sync()
         return self.losses if self.last_stage else []
 
 
-def forward_backward_no_pipelining(forward_step_func: ForwardStepFunc, data_iterator, model, num_microbatches: int,
-                                   *, forward_only: bool = False, loss_scale: float = 1.0,
+def forward_backward_no_pipelining(forward_step_func: ForwardStepFunc, data_iterator, model: TrainableModel,
+                                   num_microbatches: int, *, forward_only: bool = False, loss_scale: float = 1.0,
                                    **_unused_shape_hints) -> list[dict]:
     """PP = 1: forward and backward each micro batch in turn, accumulating gradients (no stage sends a
     tensor, so the shape hints the other schedules take, seq_length and micro_batch_size, are not needed)."""
@@ -153,8 +148,8 @@ def forward_backward_no_pipelining(forward_step_func: ForwardStepFunc, data_iter
 
 
 def forward_backward_pipelining_without_interleaving(
-        forward_step_func: ForwardStepFunc, data_iterator, model, num_microbatches: int, *, seq_length: int,
-        micro_batch_size: int, forward_only: bool = False, loss_scale: float = 1.0,
+        forward_step_func: ForwardStepFunc, data_iterator, model: TrainableModel, num_microbatches: int, *,
+        seq_length: int, micro_batch_size: int, forward_only: bool = False, loss_scale: float = 1.0,
         hidden_size: Optional[int] = None, sequence_parallel: Optional[bool] = None) -> list[dict]:
     """Megatron's non-interleaved 1F1B schedule for PP > 1."""
     runner = _MicroBatchRunner(forward_step_func, data_iterator, model, num_microbatches, forward_only, loss_scale)
@@ -235,13 +230,13 @@ class _SharedMicroBatches:
 
 
 def forward_backward_pipelining_with_interleaving(
-        forward_step_func: ForwardStepFunc, data_iterator, model, num_microbatches: int, *, seq_length: int,
-        micro_batch_size: int, forward_only: bool = False, loss_scale: float = 1.0,
+        forward_step_func: ForwardStepFunc, data_iterator, model: TrainableModel, num_microbatches: int, *,
+        seq_length: int, micro_batch_size: int, forward_only: bool = False, loss_scale: float = 1.0,
         hidden_size: Optional[int] = None, sequence_parallel: Optional[bool] = None) -> list[dict]:
     """Megatron's interleaved 1F1B over the v model chunks of each PP rank (virtual pipeline stages).
 
-    `model` holds the chunks as `.chunks` (megatron_core.models.gpt.GPTModelChunks, or the
-    data-parallel wrapper around one); chunk c of rank r is pipeline position c p + r of p v, so
+    `model.chunks` are the chunks (the model protocol's; megatron_core.models.gpt.GPTModelChunks
+    inside the wrapper); chunk c of rank r is pipeline position c p + r of p v, so
     activations go round the ranks v times and rank p - 1 hands chunk c's output to chunk c + 1 of
     rank 0. Virtual micro batch k (M v of them) runs chunk (k mod p v) // p forward on micro batch
     (k // p v) p + k mod p, and chunk v - 1 - that backward: p micro batches per chunk in turn.
@@ -250,11 +245,7 @@ def forward_backward_pipelining_with_interleaving(
     forward_step_func is called M times per chunk, with that chunk as `model`; the data iterator
     is read once per micro batch (see _SharedMicroBatches). The contract is otherwise the module's.
     """
-    chunks = getattr(_unwrap(model), "chunks", None)
-    if chunks is None:
-        raise TypeError(f"the interleaved schedule runs model chunks, but {type(_unwrap(model)).__name__} has no "
-                        "`.chunks`; build the model with megatron_core.models.gpt.build_gpt_model")
-    chunks = list(chunks)
+    chunks = list(model.chunks)
     p, r, v = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank(), len(chunks)
     expected = ps.get_virtual_pipeline_model_parallel_world_size()
     if expected is not None and expected != v:
@@ -366,7 +357,7 @@ def forward_backward_pipelining_with_interleaving(
             _, from_next = link.exchange(send_prev=send_prev, recv_next=recv_next)
             if recv_next:
                 output_grads[backward_chunk].append(from_next)
-    runners[0].finish()  # finalize_model_grads on the whole model, once
+    runners[0].finish()  # finish_grad_sync on the whole model, once
     return losses if last_chunk else []
 
 

@@ -1,7 +1,9 @@
 """Column-, row- and vocab-parallel layers (Megatron's tensor-parallel building blocks).
 
 Weights are [out, in] like nn.Linear. Sharded parameters carry `tensor_model_parallel = True`
-and `partition_dim` (0 for column-parallel rows, 1 for row-parallel columns); replicated
+and `partition_dim` (0 for column-parallel rows, 1 for row-parallel columns), and `vocab_padded = True`
+when that dim is the padded vocabulary; these attributes are the model's one statement of its
+sharding (`declared_sharding`, which checkpoint merging and splitting read). Replicated
 parameters that see only this rank's sequence chunk under sequence parallelism carry
 `sequence_parallel = True`, so the trainer all-reduces their gradients across TP.
 
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_core import parallel_state
+from megatron_core.checkpoint_format import TensorSharding
 from megatron_core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -55,14 +58,22 @@ def divide(numerator: int, denominator: int, what: str = "size") -> int:
     return numerator // denominator
 
 
-def set_tensor_model_parallel_attributes(param: torch.Tensor, partition_dim: int) -> None:
+def set_tensor_model_parallel_attributes(param: torch.Tensor, partition_dim: int, vocab_padded: bool = False) -> None:
     param.tensor_model_parallel = True
     param.partition_dim = partition_dim
     param.partition_stride = 1
+    param.vocab_padded = vocab_padded
 
 
 def is_tensor_model_parallel(param: torch.Tensor) -> bool:
     return getattr(param, "tensor_model_parallel", False)
+
+
+def declared_sharding(param: torch.Tensor) -> TensorSharding:
+    """How `param` lies across TP ranks, read from the attributes its layer set (replicated when none)."""
+    if not is_tensor_model_parallel(param):
+        return TensorSharding(partition_dim=None)
+    return TensorSharding(partition_dim=param.partition_dim, vocab_padded=getattr(param, "vocab_padded", False))
 
 
 def declare_init(param: torch.Tensor, init_method: InitMethod) -> torch.Tensor:
@@ -106,12 +117,13 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional
 
 
 class ColumnParallelLinear(nn.Module):
-    """Linear layer whose output features are split across TP ranks: weight [out/tp, in]."""
+    """Linear layer whose output features are split across TP ranks: weight [out/tp, in].
+    `vocab_padded`: the output features are the padded vocabulary (an untied output layer)."""
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = True, gather_output: bool = False,
                  init_method: InitMethod = normal_init(0.02), sequence_parallel: bool = False,
                  skip_bias_add: bool = False, params_dtype: torch.dtype = torch.float32,
-                 device: Optional[torch.device] = None, initialize: bool = True) -> None:
+                 device: Optional[torch.device] = None, initialize: bool = True, vocab_padded: bool = False) -> None:
         super().__init__()
         world = parallel_state.get_tensor_model_parallel_world_size()
         self.input_size, self.output_size = input_size, output_size
@@ -123,10 +135,12 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError("ColumnParallelLinear: gather_output is not supported with sequence_parallel")
         self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, input_size, dtype=params_dtype,
                                                device=device))
-        set_tensor_model_parallel_attributes(declare_init(self.weight, init_method), partition_dim=0)
+        set_tensor_model_parallel_attributes(declare_init(self.weight, init_method), partition_dim=0,
+                                             vocab_padded=vocab_padded)
         if bias:
             self.bias = nn.Parameter(torch.empty(self.output_size_per_partition, dtype=params_dtype, device=device))
-            set_tensor_model_parallel_attributes(declare_init(self.bias, zeros_init), partition_dim=0)
+            set_tensor_model_parallel_attributes(declare_init(self.bias, zeros_init), partition_dim=0,
+                                                 vocab_padded=vocab_padded)
         else:
             self.register_parameter("bias", None)
         if initialize:
@@ -214,7 +228,8 @@ class VocabParallelEmbedding(nn.Module):
         self.reduce_scatter_output = reduce_scatter_output
         self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim, dtype=params_dtype,
                                                device=device))
-        set_tensor_model_parallel_attributes(declare_init(self.weight, init_method), partition_dim=0)
+        set_tensor_model_parallel_attributes(declare_init(self.weight, init_method), partition_dim=0,
+                                             vocab_padded=True)
         if initialize:
             self.reset_parameters()
 

@@ -1,5 +1,6 @@
 """A whole training state in Megatron's checkpoint format (megatron_core.checkpoint_format):
-what goes into each rank's file, the collective save, resume-time checks, RNG state.
+what goes into each rank's file, the collective save, the restore policy (`restore`, which the loop calls
+once to resume), RNG state.
 
 Every (TP, PP) rank with DP rank 0 writes its own file into the staging directory (with the
 distributed optimizer every DP rank also writes its own pieces of the optimizer state), all ranks
@@ -19,7 +20,8 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -59,6 +61,8 @@ from megatron_core.checkpoint_format import (
     write_rank_file,
     write_tokenizer_files,
 )
+from megatron_core.config.model_spec import ModelSpec
+from megatron_core.models.gpt import parameter_sharding
 
 def _my_rank() -> tuple[int, int, int]:
     """(tp rank, pp rank, pp size) of this process."""
@@ -304,6 +308,122 @@ def set_aside(save: Path) -> Optional[Path]:
     return target
 
 
+# ----------------------------------------------------------------------------------------------
+# Restore: the resume policy, in one call from the loop
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What `restore` loaded into the model, optimizer and LR scheduler; the loop continues from it."""
+
+    where: Path  # the iteration directory
+    iteration: int  # the iteration the run continues after (0 for a weights-only start)
+    consumed_train_samples: int
+    skipped_iterations: int
+    nan_iterations: int
+    training_state: bool  # False: weights only (import-hf's release, a foreign checkpoint): all else from zero
+    optimizer_state: bool  # the optimizer and LR schedule continue (False: they restart from the loaded weights)
+
+
+def restore(load: Path, recipe, *, chunks: Sequence[torch.nn.Module], optimizer, scheduler, padded_vocab_size: int,
+            log: Callable[[str], None], save: Optional[Path] = None, fallback: bool = True,
+            from_scratch: bool = False) -> Optional[Restored]:
+    """Resume from the latest checkpoint under `load` that verifies, whatever layout wrote it
+    (`load_latest`: falls back to older iterations unless `fallback` is False; `from_scratch` first sets
+    `save`'s checkpoints aside and loads nothing). Checks that it fits this run (resume-safe recipe
+    keys, vocabulary padding, model chunks, weight shapes), loads the weights into `chunks` (the model
+    protocol's, saved as model0, model1, ...), the optimizer and LR scheduler state (or restarts them
+    from the weights where the checkpoint has none) and the RNG state; each decision is one line
+    through `log`. A weights-only checkpoint starts everything but the weights from zero. None when
+    nothing is loaded. Collective."""
+    if from_scratch and save is not None:
+        moved = set_aside(save)
+        if moved:
+            log(f"--from-scratch: the checkpoints in {save} were moved to {moved}")
+    found = load_latest(load, fallback=fallback, from_scratch=from_scratch, log=log)
+    if found is None:
+        log(f"no checkpoint in {load}: starting from scratch")
+        return None
+    iteration, state = found
+    where = iteration_dir(load, iteration)
+    tp = recipe.parallel.tensor_model_parallel_size
+    if iteration == RELEASE or "recipe" not in state:
+        load_model_weights(state, chunks, optimizer, where, padded_vocab_size=padded_vocab_size,
+                           tensor_model_parallel_size=tp)
+        log(f"initialized the model from the weights in {where}; optimizer, learning-rate schedule and data "
+            "position start from zero")
+        return Restored(where, 0, 0, 0, 0, training_state=False, optimizer_state=False)
+    changed = check_recipe_compatible(recipe, state["recipe"], state["recipe_hash"], load)
+    consumed = int(state["consumed_train_samples"])
+    if changed:
+        log(f"resuming with changed resume-safe keys: {', '.join(changed)}")
+    schedule_note = lr_schedule_note(recipe, state["recipe"], iteration)
+    if schedule_note:
+        log(schedule_note)
+    if "training.train_iters" in changed:  # the GPT dataset's epochs and shuffle are sized by train_iters
+        log("train_iters changed: the data indices are sized for the new length, so past the first epoch the "
+            f"samples still to come are shuffled anew (Megatron does the same); the {consumed} consumed samples "
+            "are not replayed in order")
+    saved_tp = getattr(state["args"], "tensor_model_parallel_size", None)  # Megatron-LM's args may lack it
+    live_tp = parallel_state.get_tensor_model_parallel_world_size()
+    if saved_tp not in (None, live_tp):
+        log(f"the checkpoint was written under TP {saved_tp}: weights and optimizer state are re-sliced for TP "
+            f"{live_tp}; the dropout RNG streams restart from the seed (exact only without dropout)")
+    load_model_weights(state, chunks, optimizer, load, padded_vocab_size=padded_vocab_size,
+                       tensor_model_parallel_size=tp)
+    optimizer_state = "optimizer" in state and "opt_param_scheduler" in state
+    if optimizer_state:
+        optimizer.load_state_dict(state["optimizer"])  # param_state re-sliced for this layout
+        scheduler.load_state_dict(state["opt_param_scheduler"])
+    else:
+        why = state.get("optimizer_not_loaded", "it has no optimizer state (--no-save-optim)")
+        log(f"checkpoint: {why}: the optimizer and LR restart from the loaded weights; the run is not an exact "
+            "continuation")
+        scheduler.num_steps = consumed  # the LR where the saved run was (Megatron counts samples)
+        scheduler.step(0)
+    rng_note = set_rng_state(state["rng_state"][0])  # e.g. resumed on another device
+    if rng_note:
+        log(rng_note)
+    counters = state.get("train_counters", {})
+    log(f"resumed from {where} at iteration {iteration} ({consumed} samples consumed)")
+    return Restored(where, iteration, consumed, int(counters.get("skipped_iterations", 0)),
+                    int(counters.get("nan_iterations", 0)), training_state=True, optimizer_state=optimizer_state)
+
+
+def load_model_weights(state: dict, chunks: Sequence[torch.nn.Module], optimizer, where, *, padded_vocab_size: int,
+                       tensor_model_parallel_size: int) -> None:
+    """This rank's weights from a checkpoint dict (load_for_this_rank's) into the model's `chunks`, after
+    checking that the vocabulary padding and the number of chunks fit; then the optimizer's fp32 masters
+    from them. `where` names the checkpoint in the errors."""
+    args = state.get("args")
+    saved_vocab = getattr(args, "padded_vocab_size", None)
+    if saved_vocab and saved_vocab != padded_vocab_size:  # Megatron pads to divisible_by x TP
+        multiple = getattr(args, "make_vocab_size_divisible_by", 1) * getattr(args, "tensor_model_parallel_size", 1)
+        tp = tensor_model_parallel_size
+        raise CheckpointError(f"the checkpoint in {where} pads the vocabulary to {saved_vocab} rows (a multiple of "
+                              f"{multiple}), this run to {padded_vocab_size}; pad alike: --set "
+                              f"make_vocab_size_divisible_by={multiple // tp if multiple % tp == 0 else multiple}")
+    saved = model_chunks(state, where)
+    if len(saved) != len(chunks):
+        raise CheckpointError(
+            f"the checkpoint in {where} holds {len(saved)} model chunk(s) per rank but this run's model has "
+            f"{len(chunks)} (parallel.num_layers_per_virtual_pipeline_stage decides: virtual pipeline stages "
+            "hold non-contiguous layers); train with the checkpoint's layout, or re-split it (invoke convert, "
+            "then invoke import-hf with this run's layout)")
+    try:
+        for stage, nested in zip(chunks, saved):
+            stage.load_state_dict(flatten_model_state(nested))
+    except RuntimeError as exc:  # shapes or names that do not fit this recipe's model
+        first = str(exc).splitlines()
+        raise CheckpointError(f"the weights in {where} do not fit this recipe's model "
+                              f"({' '.join(line.strip() for line in first[1:3]) or first[0]}); "
+                              "check num_layers, hidden_size, heads and the (padded) vocabulary") from None
+    # The fp32 masters were copied from the initial weights when the optimizer was built: without
+    # this, a bf16/fp16 run whose checkpoint has no optimizer state would step from random weights.
+    optimizer.reload_model_params()
+
+
 def load_latest(load, *, required: bool = False, fallback: bool = True, from_scratch: bool = False,
                 log: Optional[Callable[[str], None]] = None) -> Optional[tuple[int, dict]]:
     """(iteration, this rank's checkpoint dict) of the latest checkpoint under `load` that verifies,
@@ -441,10 +561,13 @@ def load_for_this_rank(iter_dir: Path) -> dict:
         loaded = {pos: first if pos == first_pos else load_checkpoint_file(path) for pos, path in files.items()}
         per_rank = {pos: _rank_states(iter_dir, pos, saved_pp, ck, files[pos]) for pos, ck in loaded.items()}
         tied = "output_layer.weight" not in per_rank[(0, saved_pp - 1)][0][saved_chunks - 1]
+        # The saved model's parameters, as its layers split them (tied or not as the files hold it).
+        sharding = parameter_sharding(ModelSpec.from_args(args).to_model_config(
+            untie_embeddings_and_output_weights=not tied))
 
         def mine(parts: dict) -> list[dict]:
-            return split_chunked_state(merge_chunked_states(parts, saved_tp, saved_pp), tp, pp, tp_rank, pp_rank,
-                                       chunks, num_layers=num_layers, tied=tied)
+            return split_chunked_state(merge_chunked_states(parts, saved_tp, saved_pp, sharding), tp, pp, tp_rank,
+                                       pp_rank, chunks, num_layers=num_layers, tied=tied, sharding=sharding)
 
         state = loaded[source]
         model = mine({pos: model for pos, (model, _) in per_rank.items()})

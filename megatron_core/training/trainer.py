@@ -19,6 +19,7 @@ import torch
 
 from megatron_core import checkpoint_format
 from megatron_core import parallel_state as ps
+from megatron_core.distributed import TrainableModel
 from megatron_core.errors import UserError
 from megatron_core.training import checkpointing as ckpt
 from megatron_core.training import flops as flops_lib
@@ -71,7 +72,7 @@ class NonFiniteTrainingError(UserError):
 
 
 class Trainer:
-    def __init__(self, recipe, model: torch.nn.Module, datasets, padded_vocab_size: int, run_dir: Path, *,
+    def __init__(self, recipe, model: TrainableModel, datasets, padded_vocab_size: int, run_dir: Path, *,
                  optimizer, device: torch.device, save: Optional[Path], load: Optional[Path],
                  save_optim: bool = True, params_dtype: str = "float32", logger: Optional[RunLogger] = None,
                  forward_backward_func=None, device_name: str = "cpu", precision: str = "fp32",
@@ -104,102 +105,24 @@ class Trainer:
 
     # -- resume --------------------------------------------------------------------------------
     def maybe_resume(self) -> None:
+        """Continue from the checkpoint under --load, if any: the policy (fallback, reshard, vocabulary,
+        optimizer state, weights-only starts) is checkpointing.restore's; the loop takes the counters."""
         if self.load_dir is None:
             return
-        if self.from_scratch and self.save_dir is not None:
-            moved = ckpt.set_aside(self.save_dir)
-            if moved:
-                self.logger.info(f"--from-scratch: the checkpoints in {self.save_dir} were moved to {moved}")
-        found = ckpt.load_latest(self.load_dir, fallback=self.resume_fallback, from_scratch=self.from_scratch,
-                                 log=self.logger.info)
-        if found is None:
-            self.logger.info(f"no checkpoint in {self.load_dir}: starting from scratch")
+        restored = ckpt.restore(self.load_dir, self.recipe, chunks=self.model.chunks, optimizer=self.optimizer,
+                                scheduler=self.scheduler, padded_vocab_size=self.padded_vocab_size,
+                                log=self.logger.info, save=self.save_dir, fallback=self.resume_fallback,
+                                from_scratch=self.from_scratch)
+        if restored is None:
             if self.from_scratch:
                 self.logger.truncate_after(0)  # the old run's metrics would read as this run's
             return
-        iteration, state = found
-        if iteration == checkpoint_format.RELEASE or "recipe" not in state:
-            self._start_from_weights(state, checkpoint_format.iteration_dir(self.load_dir, iteration))
+        if not restored.training_state:  # weights only: the run starts at iteration 0
             return
-        changed = ckpt.check_recipe_compatible(self.recipe, state["recipe"], state["recipe_hash"], self.load_dir)
-        if changed:
-            self.logger.info(f"resuming with changed resume-safe keys: {', '.join(changed)}")
-        schedule_note = ckpt.lr_schedule_note(self.recipe, state["recipe"], iteration)
-        if schedule_note:
-            self.logger.info(schedule_note)
-        if "training.train_iters" in changed:  # the GPT dataset's epochs and shuffle are sized by train_iters
-            self.logger.info("train_iters changed: the data indices are sized for the new length, so past the first "
-                             "epoch the samples still to come are shuffled anew (Megatron does the same); the "
-                             f"{self.state.consumed_train_samples or int(state['consumed_train_samples'])} consumed "
-                             "samples are not replayed in order")
-        saved_tp = getattr(state["args"], "tensor_model_parallel_size", None)
-        tp = ps.get_tensor_model_parallel_world_size()
-        if saved_tp not in (None, tp):
-            self.logger.info(f"the checkpoint was written under TP {saved_tp}: weights and optimizer state are "
-                             f"re-sliced for TP {tp}; the dropout RNG streams restart from the seed (exact only "
-                             "without dropout)")
-        self._load_model_weights(state, self.load_dir)
-        if "optimizer" in state and "opt_param_scheduler" in state:
-            self.optimizer.load_state_dict(state["optimizer"])  # param_state re-sliced for this layout
-            self.scheduler.load_state_dict(state["opt_param_scheduler"])
-        else:
-            why = state.get("optimizer_not_loaded", "it has no optimizer state (--no-save-optim)")
-            self.logger.info(f"checkpoint: {why}: the optimizer and LR restart from the loaded weights; the run "
-                             "is not an exact continuation")
-            self.scheduler.num_steps = int(state["consumed_train_samples"])
-            self.scheduler.step(0)
-        rng_note = ckpt.set_rng_state(state["rng_state"][0])  # e.g. resumed on another device
-        if rng_note:
-            self.logger.info(rng_note)
-        self.state.iteration = iteration
-        self.state.consumed_train_samples = int(state["consumed_train_samples"])
-        counters = state.get("train_counters", {})
-        self.state.skipped_iterations = int(counters.get("skipped_iterations", 0))
-        self.state.nan_iterations = int(counters.get("nan_iterations", 0))
-        self.logger.truncate_after(iteration)
-        where = checkpoint_format.iteration_dir(self.load_dir, iteration)
-        self.logger.info(f"resumed from {where} at iteration {iteration} "
-                         f"({self.state.consumed_train_samples} samples consumed)")
-
-    def _load_model_weights(self, state: dict, where: Path) -> None:
-        args = state.get("args")
-        saved_vocab = getattr(args, "padded_vocab_size", None)
-        if saved_vocab and saved_vocab != self.padded_vocab_size:  # Megatron pads to divisible_by x TP
-            multiple = getattr(args, "make_vocab_size_divisible_by", 1) * getattr(args, "tensor_model_parallel_size", 1)
-            tp = self.recipe.parallel.tensor_model_parallel_size
-            raise checkpoint_format.CheckpointError(
-                f"the checkpoint in {where} pads the vocabulary to {saved_vocab} rows (a multiple of {multiple}), "
-                f"this run to {self.padded_vocab_size}; pad alike: --set make_vocab_size_divisible_by="
-                f"{multiple // tp if multiple % tp == 0 else multiple}")
-        stages = _model_chunks(self._unwrapped())
-        saved = checkpoint_format.model_chunks(state, where)
-        if len(saved) != len(stages):
-            raise checkpoint_format.CheckpointError(
-                f"the checkpoint in {where} holds {len(saved)} model chunk(s) per rank but this run's model has "
-                f"{len(stages)} (parallel.num_layers_per_virtual_pipeline_stage decides: virtual pipeline stages "
-                "hold non-contiguous layers); train with the checkpoint's layout, or re-split it (invoke convert, "
-                "then invoke import-hf with this run's layout)")
-        try:
-            for stage, nested in zip(stages, saved):
-                stage.load_state_dict(checkpoint_format.flatten_model_state(nested))
-        except RuntimeError as exc:  # shapes or names that do not fit this recipe's model
-            first = str(exc).splitlines()
-            raise checkpoint_format.CheckpointError(f"the weights in {where} do not fit this recipe's model "
-                                       f"({' '.join(line.strip() for line in first[1:3]) or first[0]}); "
-                                       "check num_layers, hidden_size, heads and the (padded) vocabulary") from None
-        # The fp32 masters were copied from the initial weights when the optimizer was built: without
-        # this, a bf16/fp16 run whose checkpoint has no optimizer state would step from random weights.
-        self.optimizer.reload_model_params()
-
-    def _start_from_weights(self, state: dict, where: Path) -> None:
-        """A weights-only checkpoint (import-hf's `release`, or a foreign one without our training state):
-        Megatron's way, the model starts from it and everything else (optimizer, LR, data) from zero."""
-        self._load_model_weights(state, where)
-        self.logger.info(f"initialized the model from the weights in {where}; optimizer, learning-rate schedule "
-                         "and data position start from zero")
-
-    def _unwrapped(self) -> torch.nn.Module:
-        return getattr(self.model, "module", self.model)
+        s = self.state
+        s.iteration, s.consumed_train_samples = restored.iteration, restored.consumed_train_samples
+        s.skipped_iterations, s.nan_iterations = restored.skipped_iterations, restored.nan_iterations
+        self.logger.truncate_after(restored.iteration)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save(self) -> Optional[Path]:
@@ -216,7 +139,7 @@ class Trainer:
                                   consumed_train_samples=s.consumed_train_samples, params_dtype=self.params_dtype)
         start = time.time()
         path = ckpt.save_checkpoint(
-            self.save_dir, s.iteration, model_state=[stage.state_dict() for stage in _model_chunks(self._unwrapped())],
+            self.save_dir, s.iteration, model_state=[stage.state_dict() for stage in self.model.chunks],
             args=args, recipe=self.recipe,
             optimizer=self.optimizer, scheduler=self.scheduler, consumed_train_samples=s.consumed_train_samples,
             extra={"train_counters": {"skipped_iterations": s.skipped_iterations,
@@ -229,7 +152,7 @@ class Trainer:
     @torch.no_grad()
     def _first_nonfinite_weight(self) -> Optional[str]:
         """The name of this rank's first model weight or fp32 master holding a NaN/inf, else None."""
-        named = list(self._unwrapped().named_parameters())
+        named = list(self.model.module.named_parameters())
         masters = [p for g in self.optimizer.param_groups for p in g["params"]]
         tensors = [p for _, p in named] + masters
         if not tensors:
@@ -293,9 +216,7 @@ class Trainer:
         non-finite for the NaN guard (a non-finite loss on any rank, or a non-finite gradient norm).
         The only host syncs are the optimizer's: the grad norm (and fp16's overflow flag)."""
         t = self.recipe.training
-        zero_grad_buffer = getattr(self.model, "zero_grad_buffer", None)
-        if zero_grad_buffer is not None:  # gradients accumulate in the wrapper's main_grad buffers
-            zero_grad_buffer()
+        self.model.zero_grad_buffer()  # gradients accumulate in the wrapper's main_grad buffers
         self.optimizer.zero_grad()
         losses = self.forward_backward(gpt_forward_step, data_iterator, self.model, self.num_micro_batches,
                                        seq_length=self.recipe.model.seq_length, micro_batch_size=t.micro_batch_size,
@@ -423,11 +344,6 @@ class Trainer:
             write_summary(self.run_dir, summary)
         self.logger.info("summary: " + strict_json(summary))
         return summary
-
-
-def _model_chunks(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's chunks under virtual pipeline stages (GPTModelChunks), else [the model]."""
-    return list(getattr(module, "chunks", [module]))
 
 
 def _is_log_writer() -> bool:
