@@ -65,7 +65,7 @@ def forward_losses(setup: Setup, recipe: config.Recipe, state: dict, batches: li
     from megatron_core import pretrain_gpt as train_lib
     from megatron_core.training.trainer import gpt_forward_step
 
-    fusions = train_lib.resolve_run_backends(recipe, setup.device, setup.param_dtype)
+    fusions = train_lib.resolve_run_backends(recipe, setup.device)
     model = train_lib.build_model(recipe, setup.padded_vocab, setup.device, setup.param_dtype, fusions)
     model.load_state_dict(state)
     losses = []

@@ -143,13 +143,12 @@ def build_datasets(recipe: Recipe, data_prefix, cache_dir: Path, vocab_size: Opt
                               cache_dir=str(cache_dir), vocab_size=vocab_size)
 
 
-def resolve_run_backends(recipe: Recipe, device: torch.device, dtype: torch.dtype):
+def resolve_run_backends(recipe: Recipe, device: torch.device):
     """The run's kernels, attention and every fusion, from the recipe's keys (fusions/backends.py)."""
     from megatron_core.fusions import resolve_backends
 
     t = recipe.training
-    return resolve_backends(t.fusions, t.fusion_overrides, device, dtype, attention=recipe.model.attention_backend,
-                            compile=t.compile)
+    return resolve_backends(t.fusions, t.fusion_overrides, device, attention=recipe.model.attention_backend)
 
 
 def build_model(recipe: Recipe, padded_vocab_size: int, device: torch.device, dtype: torch.dtype, fusions):
@@ -176,7 +175,7 @@ def build_model_and_optimizer(recipe: Recipe, padded_vocab_size: int, device: to
 
     p, t = recipe.parallel, recipe.training
     precision, dtype = precision_of(recipe)
-    fusions = resolve_run_backends(recipe, device, dtype)
+    fusions = resolve_run_backends(recipe, device)
     model = build_model(recipe, padded_vocab_size, device, dtype, fusions)
     inner_model = model
     fused_adam = None  # training.optimizer adam: torch's AdamW

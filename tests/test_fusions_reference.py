@@ -23,7 +23,6 @@ from megatron_core.fusions import (
     resolve_backends,
     scaled_causal_softmax,
 )
-from megatron_core.fusions.backends import FUSION_NAMES
 
 
 def test_layer_norm_reference_is_f_layer_norm_math():
@@ -69,35 +68,6 @@ def test_bias_gelu_on_a_cpu_keeps_f_gelu_for_16_bit_inputs():
     out = bias_gelu(x, bias, backend="torch")
     assert "BiasGeluSigmoid" not in type(out.grad_fn).__name__
     torch.testing.assert_close(out, F.gelu(x + bias, approximate="tanh"), rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_compiled_bias_gelu_matches_the_tanh_formula_forward_and_backward(dtype, tol):
-    """backend "compile": the torch backend's own forward and backward through torch.compile (inductor's
-    C++ on this CPU); 16-bit inputs too, which inductor computes in fp32 inside its loop."""
-    gen = torch.Generator().manual_seed(1)
-    x = (torch.randn(33, 96, generator=gen, dtype=torch.float64) * 4).to(dtype).requires_grad_()
-    bias = torch.randn(96, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
-    grad = torch.randn(33, 96, generator=gen, dtype=torch.float64).to(dtype)
-    ours = bias_gelu(x, bias, backend="compile")
-    assert "BiasGeluSigmoid" in type(ours.grad_fn).__name__
-    got = torch.autograd.grad(ours, (x, bias), grad)
-    exact = [t.detach().double().requires_grad_() for t in (x, bias)]
-    expected = F.gelu(exact[0] + exact[1], approximate="tanh")
-    want = torch.autograd.grad(expected, exact, grad.double())
-    torch.testing.assert_close(ours.double(), expected, rtol=tol, atol=tol)
-    torch.testing.assert_close(got[0].double(), want[0], rtol=tol, atol=tol)
-    torch.testing.assert_close(got[1].double(), want[1], rtol=tol, atol=tol * 40)  # a sum of 33 rows
-    if dtype == torch.bfloat16:
-        # fp32 inside inductor's loop, one rounding: no further from the exact values than F.gelu's bf16
-        # (the in-place passes of the torch backend's fp32 path would round at every step).
-        plain = F.gelu(x + bias, approximate="tanh")
-        plain_dx = torch.autograd.grad(plain, x, grad)[0]
-        assert (ours.double() - expected).abs().max() <= (plain.double() - expected).abs().max()
-        assert (got[0].double() - want[0]).abs().max() <= (plain_dx.double() - want[0]).abs().max()
-    # A frozen bias (its gradient skipped): the same gradient for x.
-    frozen = bias.detach()
-    assert torch.equal(torch.autograd.grad(bias_gelu(x, frozen, backend="compile"), x, grad)[0], got[0])
 
 
 def test_causal_softmax_reference_is_megatron_masked_softmax():
@@ -171,44 +141,13 @@ def test_cross_entropy_inplace_reuses_the_logits_and_gives_the_same_loss_and_gra
 
 def test_resolve_backends_on_cpu_and_overrides():
     auto = resolve_backends("auto", device="cpu")
-    assert auto == FusionBackends(device="cpu", attention_with_dropout="sdpa")
-    assert auto.describe() == ("backends on cpu: attention=auto (per call: blocked on a CPU in fp32/fp64/bf16 unless "
-                               "training draws attention dropout, else sdpa), layer_norm=torch, bias_gelu=torch, "
+    assert auto == FusionBackends(device="cpu", attention="sdpa")
+    assert auto.describe() == ("backends on cpu: attention=sdpa, layer_norm=torch, bias_gelu=torch, "
                                "bias_dropout_add=torch, softmax=torch, cross_entropy=torch")
     assert resolve_backends("torch", {"softmax": "auto"}, device=torch.device("cpu")).softmax == "torch"
-    # "compile" serves the fusions it has and leaves the others to auto, as "apex" does
-    assert resolve_backends("compile", device="cpu") == FusionBackends(bias_gelu="compile", device="cpu",
-                                                                       attention_with_dropout="sdpa")
-    assert resolve_backends("auto", {"bias_gelu": "compile"}, device="cpu").bias_gelu == "compile"
-
-
-def test_auto_compiles_bias_gelu_for_training_dtypes_on_a_cpu(monkeypatch):
-    """On a CPU "auto" takes the compiled bias-GeLU in fp32, bf16 and fp16 (and nothing else compiled); not
-    in fp64 or with the dtype unknown; without a C++ compiler it settles for torch instead of failing."""
-    from megatron_core.fusions import backends
-
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        chosen = resolve_backends("auto", device="cpu", dtype=dtype)
-        assert [getattr(chosen, name) for name in FUSION_NAMES] == ["torch", "compile", "torch", "torch", "torch"]
-    for dtype in (torch.float64, None):
-        assert resolve_backends("auto", device="cpu", dtype=dtype).bias_gelu == "torch"
-    assert resolve_backends("torch", device="cpu", dtype=torch.bfloat16).bias_gelu == "torch"  # asked for
-    monkeypatch.setattr(backends, "_COMPILE_USABLE_ON", set())
-    monkeypatch.setattr(backends, "_compile_problem_on", lambda _kind: "no C++ compiler")
-    assert resolve_backends("auto", device="cpu", dtype=torch.bfloat16).bias_gelu == "torch"
-
-
-def test_compile_without_a_cpp_compiler_is_a_user_error(monkeypatch):
-    from torch._inductor import config as inductor_config
-
-    from megatron_core.fusions import backends
-
-    monkeypatch.setattr(backends, "_COMPILE_USABLE_ON", set())  # forget an earlier success in this process
-    with inductor_config.patch({"cpp.cxx": ("no-such-c++",)}):  # the compiler inductor would run
-        with pytest.raises(UserError, match="found none .*apt install g\\+\\+"):
-            resolve_backends("compile", device="cpu")
-        with pytest.raises(UserError, match="cannot use backend 'compile' for bias_gelu"):
-            bias_gelu(torch.randn(2, 8), torch.zeros(8), backend="compile")
+    assert resolve_backends(device="cpu", attention="unfused").attention == "unfused"
+    with pytest.raises(UserError, match="attention_backend: 'blocked' is not one of auto, sdpa, unfused"):
+        resolve_backends(device="cpu", attention="blocked")
 
 
 @pytest.mark.parametrize("fusions,overrides,message", [
@@ -217,7 +156,7 @@ def test_compile_without_a_cpp_compiler_is_a_user_error(monkeypatch):
     ("auto", {"softmax": "apex"}, "Apex has no kernel for softmax"),
     ("apex", None, "Apex kernels need a CUDA device"),
     ("auto", {"layer_norm": "cudnn"}, "unknown backend"),
-    ("auto", {"layer_norm": "compile"}, "there is no compiled layer_norm"),
+    ("compile", None, "not one of auto, triton, apex, torch"),
 ])
 def test_resolve_backends_errors_name_the_problem(fusions, overrides, message):
     with pytest.raises(UserError, match=message):
@@ -279,13 +218,12 @@ def test_fusions_triton_gives_the_fusions_without_a_kernel_the_best_other_backen
     monkeypatch.setattr(backends, "apex_problem", lambda _: None if apex_runs else "Apex is not usable")
     chosen = resolve_backends("triton", device="cuda")
     assert chosen == FusionBackends(layer_norm="apex" if apex_runs else "torch", softmax="triton",
-                                    cross_entropy="triton", device="cuda", note=chosen.note, attention="sdpa",
-                                    attention_with_dropout="sdpa")
+                                    cross_entropy="triton", device="cuda", note=chosen.note, attention="sdpa")
     assert chosen.describe().endswith(
         "(triton has no kernel for layer_norm, bias_gelu, bias_dropout_add: they run the best other backend)")
 
 
-@pytest.mark.parametrize("fusion,choices", [("layer_norm", "auto, apex, torch"), ("bias_gelu", "auto, compile, torch"),
+@pytest.mark.parametrize("fusion,choices", [("layer_norm", "auto, apex, torch"), ("bias_gelu", "auto, torch"),
                                             ("bias_dropout_add", "auto, torch")])
 @pytest.mark.usefixtures("usable_triton_on_cuda")
 def test_a_triton_override_for_a_deleted_kernel_is_refused(fusion, choices):

@@ -8,7 +8,7 @@ import torch
 from torch.testing import assert_close
 
 from megatron_core.config import ModelConfig, ParallelConfig
-from megatron_core.distributed import DistributedDataParallel, grad_sync
+from megatron_core.distributed import DistributedDataParallel
 from megatron_core.models import GPTModel
 
 VOCAB, MICRO_BATCHES = 96, 16
@@ -72,20 +72,6 @@ def _wrapped_main_grads() -> dict:
     assert all(p.grad is None and p.main_grad.dtype == torch.float32 for p in params.values())
     assert wrapped.grad_sync.grad_buffer_bytes == 4 * sum(p.numel() for p in params.values())
     return {n: p.main_grad for n, p in params.items()}
-
-
-def test_sliced_accumulation_adds_every_element_exactly(monkeypatch):
-    """A CPU adds a 16-bit gradient into fp32 main_grad in slices (no full-size fp32 temporary): slices
-    of 100 elements, with ragged tails in every weight here, give bit for bit the one-add result."""
-    whole = _wrapped_main_grads()
-    monkeypatch.setattr(grad_sync, "ACCUMULATE_SLICE", 100)
-    sliced = _wrapped_main_grads()
-    for name, grad in whole.items():
-        assert torch.equal(sliced[name], grad), name
-    buffer, grad = torch.randn(3, 101), torch.randn(3, 101).to(torch.bfloat16)
-    want = buffer + grad.float()
-    grad_sync.accumulate_(buffer, grad)
-    assert torch.equal(buffer, want)
 
 
 def test_next_backward_starts_from_zero_even_without_zero_grad_buffer():

@@ -132,10 +132,9 @@ class ModelConfig:
     bias_gelu_fusion: bool = True
     openai_gelu: bool = False
     untie_embeddings_and_output_weights: bool = False
-    # auto: our blocked causal kernel on a CPU in fp32/fp64/bf16 while no attention dropout is drawn (it
-    # skips masked key blocks; torch's CPU SDPA is slower there), F.scaled_dot_product_attention otherwise.
-    # The same function either way: changing it on resume is safe.
-    attention_backend: Literal["auto", "sdpa", "unfused", "blocked"] = "auto"
+    # auto (the same as sdpa): F.scaled_dot_product_attention; unfused: softmax(QK^T)V through the softmax
+    # fusion. The same function either way: changing it on resume is safe.
+    attention_backend: Literal["auto", "sdpa", "unfused"] = "auto"
 
     @property
     def ffn_size(self) -> int:
@@ -209,7 +208,7 @@ class TrainingConfig:
     eval_iters: int = 100
     # Fused-kernel backends: one choice for all, with per-fusion overrides
     # (layer_norm, bias_gelu, bias_dropout_add, softmax, cross_entropy).
-    fusions: Literal["auto", "triton", "apex", "compile", "torch"] = "auto"
+    fusions: Literal["auto", "triton", "apex", "torch"] = "auto"
     fusion_overrides: dict = field(default_factory=dict)
     compile: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -46,23 +46,6 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group, async_op: 
     return dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op)
 
 
-# Elements per slice when a CPU adds a 16-bit gradient into an fp32 buffer (about 1 MB of fp32).
-ACCUMULATE_SLICE = 1 << 18
-
-
-def accumulate_(main_grad: torch.Tensor, grad: torch.Tensor) -> None:
-    """main_grad += grad. On a CPU a mixed-dtype add first casts all of `grad` into a fresh fp32 tensor
-    (CUDA casts inside its kernel); at a large layer that temporary is big enough for the allocator to
-    map it fresh and the page faults cost 5x the add (7 ms for a bf16 [3072, 768] gradient inside a
-    training step against 1.3 ms alone). Slices of ACCUMULATE_SLICE keep the temporary small and reused."""
-    if grad.dtype == main_grad.dtype or main_grad.device.type != "cpu" or grad.numel() <= ACCUMULATE_SLICE:
-        main_grad.add_(grad)
-        return
-    flat, source = main_grad.view(-1), grad.reshape(-1)
-    for start in range(0, flat.numel(), ACCUMULATE_SLICE):
-        flat[start:start + ACCUMULATE_SLICE].add_(source[start:start + ACCUMULATE_SLICE])
-
-
 def gradient(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
     """Where a parameter's gradient of this iteration is: its main_grad under a GradSync, else .grad."""
     main_grad = getattr(param, "main_grad", None)
@@ -204,9 +187,8 @@ class GradSync:
 
     def _start_iteration(self) -> None:
         # No fill: a parameter's first gradient of the iteration is copied into its main_grad, later ones
-        # are added, and finish() zeroes whatever got none. Zeroing 88M fp32 then adding the first micro
-        # batch into it cost two more passes over the buffers than this copy (about 50 ms of a 1 s bf16
-        # step on a CPU).
+        # are added, and finish() zeroes whatever got none: zeroing the buffers and then adding the first
+        # micro batch into them would be two more passes over them than this copy.
         self._unwritten = {id(p) for p in self.params}
         self.reduced = False
 
@@ -229,7 +211,7 @@ class GradSync:
             param.main_grad.copy_(param.grad)
             self._unwritten.discard(id(param))
         else:
-            accumulate_(param.main_grad, param.grad)
+            param.main_grad.add_(param.grad)
         param.grad = None
         if not self.sync_enabled:
             return

@@ -1,7 +1,6 @@
 """Fused kernels behind one small function each, with a `backend=` argument: "triton" (our Triton kernels,
-softmax and cross entropy: the ones that beat PyTorch on an H200), "apex" (LayerNorm only), "compile" (the
-reference through torch.compile; bias-GeLU), "torch" (the plain reference, every fusion) or "auto" (on CUDA,
-Triton for softmax and cross entropy; torch otherwise and on a CPU, bias-GeLU compiled there).
+softmax and cross entropy: the ones that beat PyTorch on an H200), "apex" (LayerNorm only), "torch" (the plain
+reference, every fusion) or "auto" (on CUDA, Triton for softmax and cross entropy; torch otherwise and on a CPU).
 
 Resolve once at start-up with `resolve_backends(recipe.training.fusions, overrides, device)`, log
 `FusionBackends.describe()`, and pass the chosen names to the calls (e.g. `backend=backends.layer_norm`).

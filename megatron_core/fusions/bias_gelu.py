@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from megatron_core.errors import UserError
-from megatron_core.fusions.backends import choose_backend, compiled
+from megatron_core.fusions.backends import choose_backend
 
 # tanh-GeLU(h) = 0.5 h (1 + tanh(z)) with z = sqrt(2/pi) (h + 0.044715 h^3); since 0.5 (1 + tanh z) =
 # sigmoid(2z), it is h * sigmoid(h (C1 + C3 h^2)) exactly, with the constants below.
@@ -46,25 +46,20 @@ def _gelu_backward(h: torch.Tensor, grad: torch.Tensor, bias_grad: bool):
 
 class _BiasGeluSigmoid(torch.autograd.Function):
     """tanh-GeLU(x + bias) through the sigmoid identity, written for CPUs: torch's CPU tanh runs about 3.5x
-    slower than its sigmoid (4.3 vs 1.25 ms per million fp32 on one AVX2 core), so this form, in-place
-    passes and all, takes half of F.gelu(approximate="tanh")'s time. Like Megatron's fused bias-GeLU it
-    saves only x + bias and recomputes the rest in the backward. With `compile` the same two functions
-    run through torch.compile (on a CPU or CUDA), which fuses each into one loop over the elements."""
+    slower than its sigmoid, so this form, in-place passes and all, takes half of F.gelu(approximate="tanh")'s
+    time. Like Megatron's fused bias-GeLU it saves only x + bias and recomputes the rest in the backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, bias: torch.Tensor, compile: bool) -> torch.Tensor:
-        y, h = (compiled(_gelu_forward) if compile else _gelu_forward)(x, bias)
+    def forward(ctx, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        y, h = _gelu_forward(x, bias)
         ctx.save_for_backward(h)
-        ctx.compile = compile
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         (h,) = ctx.saved_tensors
-        backward = compiled(_gelu_backward) if ctx.compile else _gelu_backward
-        grad_h, grad_bias = backward(h, grad, ctx.needs_input_grad[1])
-        return grad_h, grad_bias, None
+        return _gelu_backward(h, grad, ctx.needs_input_grad[1])
 
 
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor, backend: str = "auto") -> torch.Tensor:
@@ -72,12 +67,9 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor, backend: str = "auto") -> tor
     if bias is None or bias.shape != (x.shape[-1],):
         raise UserError(f"bias_gelu bias must be a [{x.shape[-1]}] tensor (the last dimension of x "
                         f"{tuple(x.shape)}), got {None if bias is None else tuple(bias.shape)}")
-    chosen = choose_backend("bias_gelu", backend, x.device, x.dtype)
-    if chosen == "compile":
-        # Inductor computes 16-bit inputs in fp32 inside its loop and rounds once, so every dtype goes here.
-        return _BiasGeluSigmoid.apply(x, bias, True)
+    choose_backend("bias_gelu", backend, x.device)  # checks the name: torch is the one implementation
     if x.device.type == "cpu" and x.dtype == bias.dtype and x.dtype in (torch.float32, torch.float64):
         # (16-bit inputs keep F.gelu, which computes in fp32 and rounds once; these in-place passes
         # would round at every step: 4x the bf16 gradient error.)
-        return _BiasGeluSigmoid.apply(x, bias, False)
+        return _BiasGeluSigmoid.apply(x, bias)
     return bias_gelu_reference(x, bias)

@@ -43,8 +43,7 @@ from megatron_core.checkpoint_format import TensorSharding, layer_generic_name
 from megatron_core.config import ModelConfig, ModelSpec, ParallelConfig
 from megatron_core.errors import UserError
 from megatron_core.fusions import FusionBackends
-from megatron_core.fusions.backends import unresolved_attention
-from megatron_core.fusions.causal_attention import blocked_causal_attention
+from megatron_core.fusions.backends import attention_kernel
 from megatron_core.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -187,22 +186,14 @@ class SelfAttention(nn.Module):
         probs = self.ops.scaled_causal_softmax(q @ k.transpose(-2, -1), 1.0 / math.sqrt(self.head_dim))
         return tracked_dropout(probs, p, self.training) @ v
 
-    def kernel(self, qkv) -> str:
-        """The kernel this call runs ("sdpa", "unfused" or "blocked"), as the run's backends chose it
-        (fusions/backends.py); attention dropout is drawn only in training."""
-        return self.ops.backends.attention_kernel(qkv, self.attention_dropout if self.training else 0.0)
-
     def attend(self, qkv):
         """qkv [s, b, 3h/tp] -> context [s, b, h/tp]."""
-        kernel = self.kernel(qkv)
-        if kernel == "blocked":
-            return blocked_causal_attention(qkv, self.num_heads_local, self.head_dim)
         s, b = qkv.shape[:2]
         # unbind, not three selects: its backward stacks the three gradients in one pass, where each
         # select's would zero a full-size qkv gradient and autograd would add the three.
         qkv = qkv.view(s, b, self.num_heads_local, 3, self.head_dim)
         q, k, v = (t.permute(1, 2, 0, 3) for t in qkv.unbind(3))  # each [b, heads, s, d]
-        context = self.core_attention(q, k, v, kernel)
+        context = self.core_attention(q, k, v, self.ops.backends.attention)
         return context.permute(2, 0, 1, 3).reshape(s, b, self.num_heads_local * self.head_dim)
 
     def forward(self, x):
@@ -292,13 +283,14 @@ def _check_layout(config: ModelConfig, parallel: ParallelConfig, padded_vocab_si
 
 
 def _backends_for(config: ModelConfig, fusions: Optional[FusionBackends]) -> FusionBackends:
-    """The run's resolved backends, which must have been resolved for this model's attention_backend; without
-    them the reference fusions, with attention settled per call."""
+    """The run's resolved backends, which must hold the kernel of this model's attention_backend; without
+    them the reference fusions with that kernel."""
+    kernel = attention_kernel(config.attention_backend)
     if fusions is None:
-        return unresolved_attention(config.attention_backend)
-    if fusions.attention_request != config.attention_backend:
-        raise ValueError(f"the fusion backends were resolved for attention_backend {fusions.attention_request!r} but "
-                         f"the model asks for {config.attention_backend!r}; pass attention=config.attention_backend "
+        return FusionBackends(attention=kernel)
+    if fusions.attention != kernel:
+        raise ValueError(f"the fusion backends run attention kernel {fusions.attention!r} but the model asks for "
+                         f"attention_backend {config.attention_backend!r}; pass attention=config.attention_backend "
                          "to resolve_backends")
     return fusions
 
@@ -524,12 +516,6 @@ def compile_layers(model) -> None:
         raise UserError("training.compile does not combine with recompute_granularity selective (the recompute "
                         "would redraw the attention dropout masks); use --set recompute_granularity=full, or "
                         "training.compile=false")
-    if model.config.attention_backend == "blocked":
-        raise UserError("training.compile cannot trace attention_backend blocked (a hand-written CPU kernel); use "
-                        "--set attention_backend=auto (SDPA inside the compiled layer), or training.compile=false")
     for stage in model.chunks:
-        if "blocked" in (stage.ops.backends.attention, stage.ops.backends.attention_with_dropout):
-            raise ValueError("the backends chose the blocked attention kernel, which cannot be compiled: pass "
-                             "compile=True to resolve_backends for a model whose layers are compiled")
         for layer in stage.encoder.layers:
             layer.compile(fullgraph=True)
