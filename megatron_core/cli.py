@@ -269,7 +269,8 @@ def train(_c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, nproc=0
 def _check_load(load: Path) -> None:
     """A --load that holds no checkpoint is a typo or the wrong directory: refuse it rather than train from
     scratch under a name that says otherwise (--from-scratch says it on purpose)."""
-    from megatron_core.checkpoint_format import RELEASE, iteration_dir, published_iterations, read_tracker_leniently
+    from megatron_core.checkpoint_format import (RELEASE, TRACKER_FILENAME, iteration_dir, published_iterations,
+                                                 read_tracker_leniently)
 
     if not load.is_dir():
         raise UserError(f"--load {load}: no such directory; give the checkpoints/ directory of a run (or add "
@@ -279,7 +280,7 @@ def _check_load(load: Path) -> None:
         return
     inner = load / "checkpoints"
     hint = f"; did you mean --load {inner}?" if inner.is_dir() else " (or add --from-scratch to start from iteration 0)"
-    raise UserError(f"--load {load} holds no checkpoint (no latest_checkpointed_iteration.txt, no iter_* or "
+    raise UserError(f"--load {load} holds no checkpoint (no {TRACKER_FILENAME}, no iter_* or "
                     f"release directory){hint}")
 
 

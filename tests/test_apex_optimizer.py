@@ -164,10 +164,9 @@ def test_skipped_fp16_steps_are_not_counted_by_either():
 # -- the recipe key ----------------------------------------------------------------------------------
 
 
-def test_optimizer_key_defaults_to_torch_adamw_and_keeps_recipe_hashes():
+def test_optimizer_key_defaults_to_torch_adamw_and_names_the_run():
     recipe = load_recipe("smoke")
-    assert recipe.training.optimizer == "adam"
-    assert "optimizer" not in recipe.to_dict()["training"]  # at its default: every existing hash holds
+    assert recipe.training.optimizer == "adam" and recipe.to_dict()["training"]["optimizer"] == "adam"
     apex = load_recipe("smoke", ["optimizer=apex", "device=auto"])
     assert apex.to_dict()["training"]["optimizer"] == "apex" and apex.hash != recipe.hash
 

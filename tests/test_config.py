@@ -200,8 +200,7 @@ def test_virtual_pipeline_stages_refused_with_the_numbers(layers_per_stage, num_
 def test_virtual_pipeline_stages_count_and_hash():
     plain = recipe_from_dict(minimal(**VPP))
     assert plain.parallel.virtual_pipeline_model_parallel_size(8) is None
-    # Unset, the key is not part of the resolved recipe: every existing recipe keeps its hash.
-    assert "num_layers_per_virtual_pipeline_stage" not in plain.to_dict()["parallel"]
+    assert plain.to_dict()["parallel"]["num_layers_per_virtual_pipeline_stage"] is None  # resolved, as every key
     chunked = recipe_from_dict(minimal(model=VPP["model"], parallel={**VPP["parallel"],
                                                                      "num_layers_per_virtual_pipeline_stage": 2},
                                        training={"global_batch_size": 4}))

@@ -16,7 +16,6 @@ from megatron_core.config import (
     JsonlSource,
     PythonStdlibSource,
     UserError,
-    canonical_hash,
     load_recipe,
     recipe_from_dict,
 )
@@ -47,22 +46,21 @@ def test_shipped_recipes_have_typed_sources_and_keep_every_stage_hash():
     assert load_recipe("codeparrot-tiny").corpus.sources == (PythonStdlibSource(shuffle_seed=1234),)
 
 
-def test_a_source_is_hashed_as_written_and_round_trips_through_yaml(tmp_path):
-    """A default left out stays out of the resolved recipe, one spelled out stays in: the hashes of recipes
-    written before sources were typed (plain dicts) do not move."""
+def test_a_source_resolves_with_its_defaults_and_round_trips_through_yaml(tmp_path):
+    """A default left out and one spelled out are the same source, the same resolved recipe and hash (as every
+    other section's keys); a resolved recipe written out loads back to the same hash."""
     short = {"type": "jsonl", "paths": ["a/*.jsonl"]}
     spelled = {**short, "key": "content"}
     a, b = _recipe(short), _recipe(spelled)
     assert a.corpus.sources == b.corpus.sources == (JsonlSource(paths=("a/*.jsonl",)),)
-    assert a.to_dict()["corpus"]["sources"] == [short] and b.to_dict()["corpus"]["sources"] == [spelled]
-    raw = {"name": "t", "version": 1, "corpus": {"sources": [short], "max_documents": None, "max_bytes": None}}
-    assert a.hash == canonical_hash({**a.to_dict(), "corpus": raw["corpus"]})
+    assert a.to_dict()["corpus"]["sources"] == b.to_dict()["corpus"]["sources"] == [spelled]
+    assert a.hash == b.hash
+    assert _recipe({**short, "key": "text"}).hash != a.hash
     path = tmp_path / "r.yaml"
     path.write_text(b.to_yaml())
     assert load_recipe(str(path)).hash == b.hash and load_recipe(str(path)).corpus == b.corpus
-    # a source made in code is written with its type, required keys and the values that differ
-    assert HfDatasetSource(name="org/d", split="valid").to_dict() == {"type": "hf-dataset", "name": "org/d",
-                                                                      "split": "valid"}
+    assert HfDatasetSource(name="org/d", split="valid").to_dict() == {
+        "type": "hf-dataset", "name": "org/d", "revision": None, "split": "valid", "key": "content"}
     assert _recipe({"type": "jsonl", "paths": "one.jsonl"}).corpus.sources[0].paths == ("one.jsonl",)
 
 

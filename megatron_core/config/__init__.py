@@ -31,7 +31,6 @@ from megatron_core.config.overrides import apply_overrides
 from megatron_core.config.parsing import recipe_from_dict
 from megatron_core.config.resume import RESUME_SAFE_KEYS
 from megatron_core.config.schema import (
-    KEYS_HASHED_ONLY_WHEN_SET,
     SECTIONS,
     SOURCE_TYPES,
     TOP_LEVEL,
@@ -52,7 +51,6 @@ from megatron_core.config.validation import lr_warmup_problem, validate
 from megatron_core.errors import UserError
 
 __all__ = [
-    "KEYS_HASHED_ONLY_WHEN_SET",
     "RESUME_SAFE_KEYS",
     "SECTIONS",
     "SOURCE_TYPES",

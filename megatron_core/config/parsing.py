@@ -87,7 +87,7 @@ def _build_source(raw: Any, where: str) -> CorpusSource:
         raise UserError(f"{where}.type: {problem}; use one of {kinds}")
     cls = SOURCE_TYPES[kind]
     hints = typing.get_type_hints(cls)
-    keys = {f.name: f for f in dataclasses.fields(cls) if f.name != "written"}
+    keys = {f.name: f for f in dataclasses.fields(cls)}
     values = {}
     for key, value in raw.items():
         if key == "type":
@@ -101,7 +101,7 @@ def _build_source(raw: Any, where: str) -> CorpusSource:
         if required and values.get(key, "") == "":
             problem = "missing" if key not in values else "empty"
             raise UserError(f"{where}.{key}: {problem}; a {kind} source needs it (its keys: {', '.join(keys)})")
-    return cls(**values, written=frozenset(values))
+    return cls(**values)
 
 
 def _build_section(cls: type, values: Any, section: str):

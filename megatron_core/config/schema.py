@@ -24,18 +24,13 @@ class CorpusSource:
     subclass's TYPE. A subclass's fields are the mapping's other keys; megatron_core.data.corpus reads it."""
 
     TYPE: ClassVar[str]
-    # The keys the recipe wrote. The resolved recipe (and so every hash) holds a source as written, as it
-    # did when sources were plain dicts: a default spelled out stays, one left out is not added.
-    written: frozenset[str] = field(default=frozenset(), compare=False, repr=False, kw_only=True)
 
     def to_dict(self) -> dict:
-        """The source as a recipe writes it: `type`, required keys, and the others written or changed."""
+        """The source resolved: `type` and every key, defaults included (as every other section)."""
         out: dict[str, Any] = {"type": self.TYPE}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-            if f.name != "written" and (required or f.name in self.written or value != f.default):
-                out[f.name] = list(value) if isinstance(value, tuple) else value
+            out[f.name] = list(value) if isinstance(value, tuple) else value
         return out
 
 
@@ -251,12 +246,6 @@ TOP_LEVEL = ("name", "version", "description", "family", "hardware")
 
 
 
-# Keys added after recipes were hashed: at their default they are left out of the resolved recipe, so
-# every existing recipe keeps its hash, run directory and resumable checkpoints.
-KEYS_HASHED_ONLY_WHEN_SET = ("parallel.num_layers_per_virtual_pipeline_stage", "training.optimizer",
-                             "training.keep_last_checkpoints", "training.max_consecutive_nan_steps")
-
-
 @dataclass
 class Recipe:
     name: str
@@ -306,16 +295,11 @@ class Recipe:
 
     # -- serialization -------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        """The resolved recipe: every section with every value, defaults included (but each corpus source
-        as written: CorpusSource.to_dict)."""
+        """The resolved recipe: every section with every value, defaults included."""
         out: dict[str, Any] = {k: getattr(self, k) for k in TOP_LEVEL}
         for name in SECTIONS:
             out[name] = dataclasses.asdict(getattr(self, name))
         out["corpus"]["sources"] = [source.to_dict() for source in self.corpus.sources]
-        for dotted in KEYS_HASHED_ONLY_WHEN_SET:
-            section, key = dotted.split(".")
-            if out[section][key] == _field_default(SECTIONS[section], key):
-                del out[section][key]
         return out
 
     def to_yaml(self) -> str:
@@ -381,6 +365,3 @@ def _diff_dicts(a: dict, b: dict, prefix: str = "") -> set[str]:
             out.add(dotted)
     return out
 
-
-def _field_default(cls: type, name: str) -> Any:
-    return next(f.default for f in dataclasses.fields(cls) if f.name == name)

@@ -1,9 +1,8 @@
 """evaluate(recipe, model): perplexity on the recipe's valid/test splits and (when asked) HumanEval.
 
 `model` is a Hugging Face model directory (a converted one), a Megatron checkpoint directory
-(converted to a GPT2LMHeadModel in memory, no files written), or a loaded model (a transformers
-causal LM, or a module holding our GPTModel as `.gpt` and its ModelSpec as `.spec`; pass `tokenizer`
-then). Everything runs on one Placement: the recipe's device and precision unless `device`/`dtype` say
+(converted to a GPT2LMHeadModel in memory, no files written), or a loaded transformers causal LM (pass
+`tokenizer` then). Everything runs on one Placement: the recipe's device and precision unless `device`/`dtype` say
 otherwise. Writes evaluation.json and evaluation.md (ours beside the recipe's `evaluate.reference`) into
 out_dir, only when all went well.
 """
@@ -19,6 +18,7 @@ from typing import Optional, Union
 
 import torch
 
+from megatron_core.checkpoint_format import TRACKER_FILENAME
 from megatron_core.config import ModelSpec
 from megatron_core.convert.megatron_to_hf import eod_id_of, gpt2_model
 from megatron_core.convert.shards import read_checkpoint
@@ -102,17 +102,13 @@ def load_for_evaluation(model, tokenizer=None, placement: Placement = CPU,
     if isinstance(model, torch.nn.Module):
         if tokenizer is None:
             raise UserError("evaluating a loaded model needs its tokenizer (tokenizer=...)")
-        if hasattr(model, "gpt") and hasattr(model, "spec"):  # our GPTModel with its ModelSpec
-            state = {k: v for k, v in model.gpt.state_dict().items() if not k.endswith("_extra_state")}
-            hf = _gpt2_in_memory(state, model.spec, None, eod_id_of(tokenizer), placement, attn_implementation)
-            return LoadedModel(hf, tokenizer, _state_hash(state), "GPTModel (in memory, as GPT2)", placement)
         if not hasattr(model, "generation_config"):
-            raise UserError(f"{type(model).__name__} is neither a transformers causal LM nor our GPTModel "
-                            "(.gpt with its .spec)")
+            raise UserError(f"{type(model).__name__} is not a transformers causal LM; pass a converted hf/ dir, "
+                            "a checkpoints/ dir, or a model from AutoModelForCausalLM")
         return LoadedModel(model.to(placement.device, placement.dtype), tokenizer, _state_hash(model.state_dict()),
                            type(model).__name__, placement)
     path = Path(model)
-    if (path / "latest_checkpointed_iteration.txt").exists():
+    if (path / TRACKER_FILENAME).exists():
         ckpt = read_checkpoint(path)
         tok = tokenizer or _tokenizer_for_checkpoint(path, ckpt.args)
         hf = _gpt2_in_memory(ckpt.state, ckpt.spec, ckpt.args, eod_id_of(tok), placement, attn_implementation)
