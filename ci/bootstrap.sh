@@ -20,6 +20,10 @@ fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 # TORCH_INDEX_URL: where the CPU build lives on machines whose pip would otherwise pick the CUDA build
 # (the GitHub workflow sets PyTorch's CPU index); unset, pip's own configuration decides.
-python -c "import torch" 2>/dev/null || pip install --quiet "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
+if ! python -c "import torch" 2>/dev/null; then
+  echo "bootstrap: installing torch 2.13.0 (CPU) into .venv"
+  pip install --quiet "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
+fi
+echo "bootstrap: installing megatron-recipes ($target) into .venv"
 pip install --quiet -e "$target"
 python -c "import torch, megatron_core; print(f'ready: torch {torch.__version__}, megatron_core {megatron_core.__version__}')"
