@@ -58,8 +58,10 @@ def _staged(t: torch.Tensor) -> torch.Tensor:
 
 def install(expect: str) -> None:
     """Replace the collectives megatron_core calls (looked up on torch.distributed at call time)."""
-    orig = {name: getattr(dist, name) for name in
-            ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "batch_isend_irecv")}
+    orig = {
+        name: getattr(dist, name)
+        for name in ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "batch_isend_irecv")
+    }
 
     def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
         _check("all_reduce", [tensor], expect)
@@ -100,9 +102,13 @@ def install(expect: str) -> None:
                 p.tensor.copy_(cpu)
         return [_Finished() for _ in works]
 
-    for name, fn in (("all_reduce", all_reduce), ("broadcast", broadcast),
-                     ("all_gather_into_tensor", all_gather_into_tensor),
-                     ("reduce_scatter_tensor", reduce_scatter_tensor), ("batch_isend_irecv", batch_isend_irecv)):
+    for name, fn in (
+        ("all_reduce", all_reduce),
+        ("broadcast", broadcast),
+        ("all_gather_into_tensor", all_gather_into_tensor),
+        ("reduce_scatter_tensor", reduce_scatter_tensor),
+        ("batch_isend_irecv", batch_isend_irecv),
+    ):
         setattr(dist, name, fn)
 
 
@@ -110,7 +116,8 @@ def _write_report(report_dir: Path) -> None:
     rank = int(os.environ.get("RANK", "0"))
     report_dir.mkdir(parents=True, exist_ok=True)
     (report_dir / f"collectives-rank{rank}.json").write_text(
-        json.dumps({"rank": rank, "calls": dict(CALLS), "mismatches": MISMATCHES}))
+        json.dumps({"rank": rank, "calls": dict(CALLS), "mismatches": MISMATCHES})
+    )
 
 
 def main(argv=None) -> None:

@@ -56,16 +56,50 @@ class _StubTokenizer:
     unique_identifiers = {"class": "StubTokenizer"}
 
 
-def run(data_prefix: str | None = None, train_iters: int = 150000, global_batch_size: int = 192, seq_length: int = 1024,
-        eval_interval: int = 200, eval_iters: int = 10, split: str = "969,30,1", seed: int = 1234, repeats: int = 3,
-        write: bool = True, recipe_hash: str | None = None) -> dict:
+def run(
+    data_prefix: str | None = None,
+    train_iters: int = 150000,
+    global_batch_size: int = 192,
+    seq_length: int = 1024,
+    eval_interval: int = 200,
+    eval_iters: int = 10,
+    split: str = "969,30,1",
+    seed: int = 1234,
+    repeats: int = 3,
+    write: bool = True,
+    recipe_hash: str | None = None,
+) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-dataset-") as work:  # gigabytes of indices: never left behind
-        return _run(work, data_prefix, train_iters, global_batch_size, seq_length, eval_interval, eval_iters, split,
-                    seed, repeats, write, recipe_hash)
+        return _run(
+            work,
+            data_prefix,
+            train_iters,
+            global_batch_size,
+            seq_length,
+            eval_interval,
+            eval_iters,
+            split,
+            seed,
+            repeats,
+            write,
+            recipe_hash,
+        )
 
 
-def _run(work, data_prefix, train_iters, global_batch_size, seq_length, eval_interval, eval_iters, split, seed,
-         repeats, write, recipe_hash) -> dict:
+def _run(
+    work,
+    data_prefix,
+    train_iters,
+    global_batch_size,
+    seq_length,
+    eval_interval,
+    eval_iters,
+    split,
+    seed,
+    repeats,
+    write,
+    recipe_hash,
+) -> dict:
     if data_prefix is None:
         data_prefix = synthesize(os.path.join(work, "synthetic"))
     sizes = gpt_dataset.samples_per_split(train_iters, global_batch_size, eval_interval, eval_iters)
@@ -74,21 +108,30 @@ def _run(work, data_prefix, train_iters, global_batch_size, seq_length, eval_int
     Builder, GPTDataset, GPTDatasetConfig = _import_megatron_builder()
 
     def build_ours(cache):
-        return gpt_dataset.build_gpt_datasets(data_prefix, split=split, seq_length=seq_length, num_samples=sizes,
-                                              seed=seed, cache_dir=cache)
+        return gpt_dataset.build_gpt_datasets(
+            data_prefix, split=split, seq_length=seq_length, num_samples=sizes, seed=seed, cache_dir=cache
+        )
 
     def build_megatron(cache):
-        config = GPTDatasetConfig(random_seed=seed, sequence_length=seq_length, blend=([data_prefix], None),
-                                  split=split, path_to_cache=cache, tokenizer=_StubTokenizer(),
-                                  reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
-                                  create_attention_mask=False)
+        config = GPTDatasetConfig(
+            random_seed=seed,
+            sequence_length=seq_length,
+            blend=([data_prefix], None),
+            split=split,
+            path_to_cache=cache,
+            tokenizer=_StubTokenizer(),
+            reset_position_ids=False,
+            reset_attention_mask=False,
+            eod_mask_loss=False,
+            create_attention_mask=False,
+        )
         return Builder(GPTDataset, list(sizes), lambda: True, config).build()
 
     # The machine is shared: alternate the two, fresh cache directories each time, keep the best.
     ours_times, megatron_times = [], []
     sides = ((build_megatron, megatron_times, "megatron"), (build_ours, ours_times, "ours"))
     for attempt in range(repeats):
-        for build, times, name in (sides if attempt % 2 == 0 else sides[::-1]):  # neither always goes first
+        for build, times, name in sides if attempt % 2 == 0 else sides[::-1]:  # neither always goes first
             start = time.perf_counter()
             datasets = build(os.path.join(work, f"{name}-{attempt}"))
             times.append(time.perf_counter() - start)
@@ -102,15 +145,25 @@ def _run(work, data_prefix, train_iters, global_batch_size, seq_length, eval_int
                 reference = datasets
     ours_s, megatron_s = min(ours_times), min(megatron_times)
 
-    same = all(np.array_equal(r.shuffle_index, o.shuffle_index) and np.array_equal(r.sample_index, o.sample_index)
-               for r, o in zip(reference, ours) if r is not None)
+    same = all(
+        np.array_equal(r.shuffle_index, o.shuffle_index) and np.array_equal(r.sample_index, o.sample_index)
+        for r, o in zip(reference, ours)
+        if r is not None
+    )
     result = {
-        "benchmark": "dataset", "recipe_hash": recipe_hash, "ours_s": round(ours_s, 3),
+        "benchmark": "dataset",
+        "recipe_hash": recipe_hash,
+        "ours_s": round(ours_s, 3),
         "megatron_core_s": round(megatron_s, 3),
-        "ratio": round(ours_s / megatron_s, 3), "samples": [len(d) if d is not None else 0 for d in ours],
-        "requested_samples": list(sizes), "seq_length": seq_length, "dataset_tokens": tokens,
-        "indices_identical": bool(same), "data_prefix": data_prefix,
-        "ours_all_s": [round(t, 3) for t in ours_times], "megatron_core_all_s": [round(t, 3) for t in megatron_times],
+        "ratio": round(ours_s / megatron_s, 3),
+        "samples": [len(d) if d is not None else 0 for d in ours],
+        "requested_samples": list(sizes),
+        "seq_length": seq_length,
+        "dataset_tokens": tokens,
+        "indices_identical": bool(same),
+        "data_prefix": data_prefix,
+        "ours_all_s": [round(t, 3) for t in ours_times],
+        "megatron_core_all_s": [round(t, 3) for t in megatron_times],
     }
     if write:
         result["results_file"] = str(write_result(result, results_path("dataset")))
@@ -126,8 +179,14 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="alternating builds of each (the best is kept)")
     parser.add_argument("--recipe-hash", default=None, help="hash of the recipe whose numbers these are")
     args = parser.parse_args(argv)
-    result = run(data_prefix=args.data_prefix, train_iters=args.train_iters, global_batch_size=args.global_batch_size,
-                 seq_length=args.seq_length, recipe_hash=args.recipe_hash, repeats=args.repeats)
+    result = run(
+        data_prefix=args.data_prefix,
+        train_iters=args.train_iters,
+        global_batch_size=args.global_batch_size,
+        seq_length=args.seq_length,
+        recipe_hash=args.recipe_hash,
+        repeats=args.repeats,
+    )
     print(json.dumps(result))
     return 0
 

@@ -41,8 +41,13 @@ def _snapshot(model: torch.nn.Module, optimizer) -> dict[str, torch.Tensor]:
     saved = optimizer.state_dict()
     param_state = saved["param_state"] if "param_state" in saved else optimizer.param_state()  # distributed: apart
     for name, state in param_state.items():
-        tensors.update({f"{key}/{name}": value.detach().float().cpu() for key, value in state.items()
-                        if isinstance(value, torch.Tensor)})  # the distributed optimizer adds shard offsets
+        tensors.update(
+            {
+                f"{key}/{name}": value.detach().float().cpu()
+                for key, value in state.items()
+                if isinstance(value, torch.Tensor)
+            }
+        )  # the distributed optimizer adds shard offsets
     return tensors
 
 
@@ -75,12 +80,15 @@ def forward_losses(setup: Setup, recipe: config.Recipe, state: dict, batches: li
     return losses
 
 
-def run(recipe_spec: str, overrides=(), workdir: str = "./work", fusions: str = "triton", steps: int = 2,
-        echo=print) -> dict:
+def run(
+    recipe_spec: str, overrides=(), workdir: str = "./work", fusions: str = "triton", steps: int = 2, echo=print
+) -> dict:
     if steps < 1:
         raise UserError(f"--steps {steps}: need at least 1 step before the comparison")
-    recipes = {side: config.load_recipe(recipe_spec, [*overrides, *NO_DROPOUT, f"fusions={backend}"])
-               for side, backend in (("reference", "torch"), ("candidate", fusions))}
+    recipes = {
+        side: config.load_recipe(recipe_spec, [*overrides, *NO_DROPOUT, f"fusions={backend}"])
+        for side, backend in (("reference", "torch"), ("candidate", fusions))
+    }
     setup = Setup(recipes["reference"], workdir)
     try:
         micro = setup.recipe.num_micro_batches
@@ -98,9 +106,11 @@ def run(recipe_spec: str, overrides=(), workdir: str = "./work", fusions: str = 
             echo(f"{side} ({description['backends'].split(';')[0]}): losses {shown}")
             del step, model, optimizer
         tensors = compare_tensors(snapshots["reference"], snapshots["candidate"])
-        forward = {f"{weights} weights, {side} fusions": forward_losses(setup, recipes[side], states[weights],
-                                                                      next_batches)
-                   for weights in recipes for side in recipes}
+        forward = {
+            f"{weights} weights, {side} fusions": forward_losses(setup, recipes[side], states[weights], next_batches)
+            for weights in recipes
+            for side in recipes
+        }
     finally:
         setup.close()
 
@@ -113,18 +123,32 @@ def run(recipe_spec: str, overrides=(), workdir: str = "./work", fusions: str = 
     for row in tensors:
         kind = row["tensor"].split("/", 1)[0]
         by_kind[kind] = max(by_kind.get(kind, 0.0), row["relative"])
-    verdict = ("the two runs agree" if max(forward_gap, update_gap) == 0.0 else
-               f"mostly the {'forward' if forward_gap >= update_gap else 'update'}: same weights, backends apart by "
-               f"{forward_gap:.2e}; candidate's weights under the reference backend apart by {update_gap:.2e}")
+    verdict = (
+        "the two runs agree"
+        if max(forward_gap, update_gap) == 0.0
+        else f"mostly the {'forward' if forward_gap >= update_gap else 'update'}: same weights, backends apart by "
+        f"{forward_gap:.2e}; candidate's weights under the reference backend apart by {update_gap:.2e}"
+    )
     echo(f"next step's micro batches: {verdict}")
     for row in tensors[:3]:
         echo(f"  largest difference: {row['tensor']} {row['max_abs_diff']:.3e} ({row['relative']:.2e} of its max)")
-    return {"benchmark": "drift", "recipe": setup.recipe.name, "overrides": list(overrides),
-            "device": setup.device_name, "precision": setup.precision, "reference_fusions": "torch",
-            "candidate_fusions": fusions, "steps": steps,
-            "losses": losses, "next_step_forward_losses": forward, "forward_gap": forward_gap,
-            "update_gap": update_gap, "largest_relative_difference_by_kind": by_kind, "tensors": tensors[:TOP],
-            "verdict": verdict}
+    return {
+        "benchmark": "drift",
+        "recipe": setup.recipe.name,
+        "overrides": list(overrides),
+        "device": setup.device_name,
+        "precision": setup.precision,
+        "reference_fusions": "torch",
+        "candidate_fusions": fusions,
+        "steps": steps,
+        "losses": losses,
+        "next_step_forward_losses": forward,
+        "forward_gap": forward_gap,
+        "update_gap": update_gap,
+        "largest_relative_difference_by_kind": by_kind,
+        "tensors": tensors[:TOP],
+        "verdict": verdict,
+    }
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -72,8 +72,9 @@ def _run(cmd: list[str], log: Path, timeout: float, env: Optional[dict] = None) 
     with open(log, "a") as handle:
         handle.write("+ " + " ".join(cmd) + "\n")
         handle.flush()
-        proc = subprocess.run(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, timeout=timeout)
+        proc = subprocess.run(
+            cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
+        )
         handle.write(proc.stdout)
     if proc.returncode != 0:
         tail = "\n".join(proc.stdout.splitlines()[-15:])
@@ -83,8 +84,19 @@ def _run(cmd: list[str], log: Path, timeout: float, env: Optional[dict] = None) 
 
 def _invoke_train(workdir: Path, overrides: list[str], log: Path, timeout: float) -> Path:
     """`invoke train --torchrun` of the smoke recipe; returns the run directory."""
-    cmd = [sys.executable, "-m", "invoke", "train", "--recipe", RECIPE, "--workdir", str(workdir), "--torchrun",
-           "--master-port", str(free_port())]
+    cmd = [
+        sys.executable,
+        "-m",
+        "invoke",
+        "train",
+        "--recipe",
+        RECIPE,
+        "--workdir",
+        str(workdir),
+        "--torchrun",
+        "--master-port",
+        str(free_port()),
+    ]
     for item in overrides:
         cmd += ["--set", item]
     out = _run(cmd, log, timeout)
@@ -106,8 +118,11 @@ def _train_records(run_dir: Path) -> list[dict]:
 
 def _losses(run_dir: Path) -> dict[int, float]:
     """Iteration -> logged loss (log_interval 1) of the iterations that stepped."""
-    return {r["iteration"]: r["lm_loss"] for r in _train_records(run_dir)
-            if r.get("lm_loss") is not None and not r.get("skipped")}
+    return {
+        r["iteration"]: r["lm_loss"]
+        for r in _train_records(run_dir)
+        if r.get("lm_loss") is not None and not r.get("skipped")
+    }
 
 
 def _max_rel_diff(a: dict[int, float], b: dict[int, float], iterations) -> float:
@@ -148,8 +163,12 @@ def _train_in_process(workdir: Path, overrides: list[str], run_dir: Path) -> dic
 
 
 def part_train_resume(device: str, workdir: Path, logs: Path) -> dict:
-    overrides = _device_overrides(device) + ["model.hidden_dropout=0.1", "model.attention_dropout=0.1",
-                                             "training.log_interval=1", "training.save_interval=10"]
+    overrides = _device_overrides(device) + [
+        "model.hidden_dropout=0.1",
+        "model.attention_dropout=0.1",
+        "training.log_interval=1",
+        "training.save_interval=10",
+    ]
     log = logs / "train-resume.log"
     shutil.rmtree(workdir / RECIPE / "runs", ignore_errors=True)  # fresh runs, whatever an earlier check left
     first = _invoke_train(workdir, overrides, log, 240)
@@ -174,8 +193,10 @@ def part_train_resume(device: str, workdir: Path, logs: Path) -> dict:
     _invoke_train(workdir, overrides, log, 240)
     resumed = _losses(first)
     if min(resumed, default=0) != 11:
-        raise PartFailed(f"the resumed run logged iterations {sorted(resumed)}, expected 11..20 (it did not resume "
-                         "from iteration 10)")
+        raise PartFailed(
+            f"the resumed run logged iterations {sorted(resumed)}, expected 11..20 (it did not resume "
+            "from iteration 10)"
+        )
     steps = range(1, 21)
     floor = _max_rel_diff(runs["again"], runs["uninterrupted"], steps)
     resume_diff = _max_rel_diff(resumed, runs["uninterrupted"], range(11, 21))
@@ -183,13 +204,19 @@ def part_train_resume(device: str, workdir: Path, logs: Path) -> dict:
     # order than an uninterrupted one, and GEMM kernels that pick their path by alignment then differ in the
     # last bits (seen on a CPU: 1.1e-6 after resume while two fresh runs agreed exactly).
     tolerance = max(2 * floor, 1e-5)
-    detail = {"noise_floor_rel": floor, "resume_max_rel_diff": resume_diff, "tolerance": tolerance,
-              "losses": {"uninterrupted": runs["uninterrupted"], "again": runs["again"], "resumed": resumed}}
+    detail = {
+        "noise_floor_rel": floor,
+        "resume_max_rel_diff": resume_diff,
+        "tolerance": tolerance,
+        "losses": {"uninterrupted": runs["uninterrupted"], "again": runs["again"], "resumed": resumed},
+    }
     if not all(math.isfinite(x) for x in runs["uninterrupted"].values()):
         raise PartFailed(f"non-finite losses: {runs['uninterrupted']}")
     if resume_diff > tolerance:
-        raise PartFailed(f"resumed losses differ from the uninterrupted run by {resume_diff:.3g} relative "
-                         f"(noise floor {floor:.3g}): {json.dumps(detail)}")
+        raise PartFailed(
+            f"resumed losses differ from the uninterrupted run by {resume_diff:.3g} relative "
+            f"(noise floor {floor:.3g}): {json.dumps(detail)}"
+        )
     return detail
 
 
@@ -200,32 +227,45 @@ def part_precision(device: str, workdir: Path, logs: Path) -> dict:  # noqa: ARG
             detail[precision] = {SKIPPED: "fp16 trains on CUDA only (the recipe check refuses it on a CPU)"}
             continue
         # fp16 runs 40 iterations: at 2^32 with hysteresis 2 about the first 16 are skipped
-        flags = ["training.fp16=true", "training.bf16=false", "training.train_iters=40"] if precision == "fp16" else \
-            ["training.fp16=false", "training.bf16=true"]
+        flags = (
+            ["training.fp16=true", "training.bf16=false", "training.train_iters=40"]
+            if precision == "fp16"
+            else ["training.fp16=false", "training.bf16=true"]
+        )
         # fp16 at the recipes' own loss-scale settings (2^32, hysteresis 2): the first iterations are skipped.
-        summary = _train_in_process(workdir, _device_overrides(device) + flags + ["training.log_interval=1"],
-                                    workdir / f"precision-{precision}")
+        summary = _train_in_process(
+            workdir, _device_overrides(device) + flags + ["training.log_interval=1"], workdir / f"precision-{precision}"
+        )
         stepped = [r["lm_loss"] for r in summary["records"] if not r.get("skipped")]
         skipped_logged = sum(int(r.get("skipped") or 0) for r in summary["records"])
-        row = {"losses": stepped, "skipped_iterations": summary["skipped_iterations"],
-               "skipped_in_log": skipped_logged, "peak_memory_mb": summary["peak_memory_mb"]}
+        row = {
+            "losses": stepped,
+            "skipped_iterations": summary["skipped_iterations"],
+            "skipped_in_log": skipped_logged,
+            "peak_memory_mb": summary["peak_memory_mb"],
+        }
         detail[precision] = row
         if len(stepped) < 6 or not all(x is not None and math.isfinite(x) for x in stepped):
             raise PartFailed(f"{precision}: the iterations that stepped logged {stepped}")
         if sum(stepped[-3:]) >= sum(stepped[:3]):
             raise PartFailed(f"{precision}: the loss did not go down: {stepped}")
         if skipped_logged != summary["skipped_iterations"]:
-            raise PartFailed(f"{precision}: {summary['skipped_iterations']} skipped iterations, {skipped_logged} "
-                             "in the log")
+            raise PartFailed(
+                f"{precision}: {summary['skipped_iterations']} skipped iterations, {skipped_logged} in the log"
+            )
     return detail
 
 
 def part_recompute(device: str, workdir: Path, logs: Path) -> dict:  # noqa: ARG001
     detail, reference = {}, None
     for granularity in ("none", "selective", "full"):
-        flags = _device_overrides(device) + ["model.hidden_dropout=0.1", "model.attention_dropout=0.1",
-                                             "training.log_interval=1", "training.train_iters=6",
-                                             "training.save_interval=null"]
+        flags = _device_overrides(device) + [
+            "model.hidden_dropout=0.1",
+            "model.attention_dropout=0.1",
+            "training.log_interval=1",
+            "training.train_iters=6",
+            "training.save_interval=null",
+        ]
         if granularity != "none":
             flags.append(f"parallel.recompute_granularity={granularity}")
         summary = _train_in_process(workdir, flags, workdir / f"recompute-{granularity}")
@@ -236,8 +276,9 @@ def part_recompute(device: str, workdir: Path, logs: Path) -> dict:  # noqa: ARG
             continue
         for (loss, norm), (want_loss, want_norm) in zip(seen, reference):
             if abs(loss - want_loss) > 1e-5 * abs(want_loss) or abs(norm - want_norm) > 1e-4 * abs(want_norm):
-                raise PartFailed(f"recompute {granularity}: (loss, grad norm) {seen} "
-                                 f"against no recompute's {reference}")
+                raise PartFailed(
+                    f"recompute {granularity}: (loss, grad norm) {seen} against no recompute's {reference}"
+                )
     return detail
 
 
@@ -247,22 +288,51 @@ def part_layout_8_ranks(device: str, workdir: Path, logs: Path) -> dict:
     from megatron_core.launch import torchrun_command
 
     # micro batch 2: DP 2 then leaves 2 micro batches per iteration, a multiple of PP 2 (the interleaved schedule)
-    common = _device_overrides(device) + ["model.num_layers=4", "training.micro_batch_size=2",
-                                          "training.log_interval=1", "training.train_iters=4",
-                                          "training.save_interval=null", "training.eval_iters=0"]
-    layout = ["parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2",
-              "parallel.num_layers_per_virtual_pipeline_stage=1", "parallel.sequence_parallel=true",
-              "parallel.use_distributed_optimizer=true"]
+    common = _device_overrides(device) + [
+        "model.num_layers=4",
+        "training.micro_batch_size=2",
+        "training.log_interval=1",
+        "training.train_iters=4",
+        "training.save_interval=null",
+        "training.eval_iters=0",
+    ]
+    layout = [
+        "parallel.tensor_model_parallel_size=2",
+        "parallel.pipeline_model_parallel_size=2",
+        "parallel.num_layers_per_virtual_pipeline_stage=1",
+        "parallel.sequence_parallel=true",
+        "parallel.use_distributed_optimizer=true",
+    ]
     single = _train_in_process(workdir, common, workdir / "layout-single")
     recipe = load_recipe(RECIPE, common + layout + ["parallel.world_size=8"])
     vocab, merges = workflow.tokenizer_files(recipe, workdir)
     run_dir, report = workdir / "layout-8", workdir / "layout-8-collectives"
-    cmd = torchrun_command(RECIPE, common + layout, 8, master_port=free_port(), extra_args=[
-        "--run-dir", str(run_dir), "--vocab-file", str(vocab), "--merge-file", str(merges),
-        "--data-path", *[str(p) for p in workflow.data_prefixes(recipe, workdir)]])
+    cmd = torchrun_command(
+        RECIPE,
+        common + layout,
+        8,
+        master_port=free_port(),
+        extra_args=[
+            "--run-dir",
+            str(run_dir),
+            "--vocab-file",
+            str(vocab),
+            "--merge-file",
+            str(merges),
+            "--data-path",
+            *[str(p) for p in workflow.data_prefixes(recipe, workdir)],
+        ],
+    )
     at = cmd.index("megatron_core.pretrain_gpt") - 1  # its "-m": run it under the shim instead
-    cmd[at:at + 2] = ["-m", "bench.collective_shim", "--expect-device", device, "--report", str(report),
-                      "megatron_core.pretrain_gpt"]
+    cmd[at : at + 2] = [
+        "-m",
+        "bench.collective_shim",
+        "--expect-device",
+        device,
+        "--report",
+        str(report),
+        "megatron_core.pretrain_gpt",
+    ]
     _run(cmd, logs / "layout-8-ranks.log", 300, env={"MEGATRON_DISTRIBUTED_BACKEND": "gloo"})
     calls: dict[str, int] = {}
     for path in sorted(report.glob("collectives-rank*.json")):
@@ -272,8 +342,12 @@ def part_layout_8_ranks(device: str, workdir: Path, logs: Path) -> dict:
     want = {r["iteration"]: r["lm_loss"] for r in single["records"]}
     got = _losses(run_dir)
     diff = _max_rel_diff(got, want, sorted(want))
-    detail = {"ranks_reporting": ranks, "collective_calls": calls, "max_rel_loss_diff": diff,
-              "losses": {"single": want, "tp2_pp2_vpp2_dp2_sp_distopt": got}}
+    detail = {
+        "ranks_reporting": ranks,
+        "collective_calls": calls,
+        "max_rel_loss_diff": diff,
+        "losses": {"single": want, "tp2_pp2_vpp2_dp2_sp_distopt": got},
+    }
     # every kind of collective the layout uses reached the shim (a shim that saw nothing proves nothing)
     needed = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "batch_isend_irecv")
     if ranks != 8 or any(calls.get(op, 0) == 0 for op in needed):
@@ -295,32 +369,73 @@ def part_evaluation(device: str, workdir: Path, logs: Path, results_dir: Path) -
     per_place = {}
     places = [("cpu", "fp32")] + ([("cuda", "bf16")] if device == "cuda" else [])
     for where, dtype in places:
-        results = evaluate(recipe, str(ckpt), workdir=str(workdir), out_dir=str(workdir / f"eval-{where}"),
-                           humaneval=False, device=where, dtype=dtype)
+        results = evaluate(
+            recipe,
+            str(ckpt),
+            workdir=str(workdir),
+            out_dir=str(workdir / f"eval-{where}"),
+            humaneval=False,
+            device=where,
+            dtype=dtype,
+        )
         per_place[f"{where}-{dtype}"] = {split: r["ppl"] for split, r in results["perplexity"].items()}
     detail = {"perplexity": per_place}
     if device == "cuda":
         for split, cpu_ppl in per_place["cpu-fp32"].items():
             gpu_ppl = per_place["cuda-bf16"][split]
             if abs(gpu_ppl - cpu_ppl) > 0.02 * cpu_ppl:
-                raise PartFailed(f"{split} perplexity on the GPU (bf16) {gpu_ppl:.4g} against the CPU fp32 path "
-                                 f"{cpu_ppl:.4g}: more than 2% apart")
-    size = dict(problems=2, samples=16, batch=16, max_new_tokens=128, repeats=2) if device == "cuda" else \
-        dict(problems=1, samples=2, batch=2, max_new_tokens=8, repeats=1)
-    generation = bench_eval.run(**size, vocab_size=2048 if device == "cpu" else 8192, device=device,
-                                echo=lambda *_: None, results_dir=results_dir)  # raises if greedy tokens differ
-    detail["generation"] = {k: generation[k] for k in ("device", "dtype", "ours_tokens_per_s", "baseline_tokens_per_s",
-                                                       "ratio", "greedy_check", "results_file")}
+                raise PartFailed(
+                    f"{split} perplexity on the GPU (bf16) {gpu_ppl:.4g} against the CPU fp32 path "
+                    f"{cpu_ppl:.4g}: more than 2% apart"
+                )
+    size = (
+        dict(problems=2, samples=16, batch=16, max_new_tokens=128, repeats=2)
+        if device == "cuda"
+        else dict(problems=1, samples=2, batch=2, max_new_tokens=8, repeats=1)
+    )
+    generation = bench_eval.run(
+        **size,
+        vocab_size=2048 if device == "cpu" else 8192,
+        device=device,
+        echo=lambda *_: None,
+        results_dir=results_dir,
+    )  # raises if greedy tokens differ
+    detail["generation"] = {
+        k: generation[k]
+        for k in (
+            "device",
+            "dtype",
+            "ours_tokens_per_s",
+            "baseline_tokens_per_s",
+            "ratio",
+            "greedy_check",
+            "results_file",
+        )
+    }
     return detail
 
 
 def part_kernels_rng(device: str, workdir: Path, logs: Path) -> dict:  # noqa: ARG001
     if device != "cuda":
         return {SKIPPED: "CUDA only: on a CPU the kernel tests (Triton's interpreter) and the RNG tests run in .ci/run"}
-    out = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_fusions_triton.py",
-                "tests/test_fusions_reference.py", "tests/test_rng_device.py",
-                "--deselect", "tests/test_fusions_reference.py::test_vocab_parallel_cross_entropy_on_two_gloo_ranks"],
-               logs / "kernels-rng.log", 240, env={"MEGATRON_FUSIONS_TEST_MODE": "compiled"})
+    out = _run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/test_fusions_triton.py",
+            "tests/test_fusions_reference.py",
+            "tests/test_rng_device.py",
+            "--deselect",
+            "tests/test_fusions_reference.py::test_vocab_parallel_cross_entropy_on_two_gloo_ranks",
+        ],
+        logs / "kernels-rng.log",
+        240,
+        env={"MEGATRON_FUSIONS_TEST_MODE": "compiled"},
+    )
     summary = out.strip().splitlines()[-1]
     if "skipped" in summary or "passed" not in summary:  # a test that did not run on this GPU proves nothing
         raise PartFailed(f"not every kernel or RNG test ran on the GPU: {summary}")
@@ -358,12 +473,16 @@ def _environment(device: str) -> dict:
     import torch
 
     cuda = device == "cuda"
-    return {"device": torch.cuda.get_device_name() if cuda else f"cpu ({os.cpu_count()} cores)",
-            "torch": torch.__version__, "cuda": torch.version.cuda if cuda else None}
+    return {
+        "device": torch.cuda.get_device_name() if cuda else f"cpu ({os.cpu_count()} cores)",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda if cuda else None,
+    }
 
 
-def run(device: str, workdir: Path, results_dir: Path, only: Optional[list[str]] = None, scale: float = 1.0,
-        echo=print) -> dict:
+def run(
+    device: str, workdir: Path, results_dir: Path, only: Optional[list[str]] = None, scale: float = 1.0, echo=print
+) -> dict:
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     results_dir.mkdir(parents=True, exist_ok=True)
     logs = results_dir / "logs"
@@ -377,25 +496,57 @@ def run(device: str, workdir: Path, results_dir: Path, only: Optional[list[str]]
         start = time.time()
         out_json = workdir / f"part-{name}.json"
         out_json.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "bench.gpu_check", "--part", name, "--device", device, "--workdir", str(workdir),
-               "--results-dir", str(results_dir), "--part-json", str(out_json)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "bench.gpu_check",
+            "--part",
+            name,
+            "--device",
+            device,
+            "--workdir",
+            str(workdir),
+            "--results-dir",
+            str(results_dir),
+            "--part-json",
+            str(out_json),
+        ]
         try:
-            proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=limit * scale,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            proc = subprocess.run(
+                cmd,
+                cwd=ROOT,
+                env={**os.environ, "PYTHONPATH": str(ROOT)},
+                timeout=limit * scale,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
             (logs / f"part-{name}.log").write_text(proc.stdout)
-            result = json.loads(out_json.read_text()) if out_json.exists() else {
-                "ok": False,
-                "detail": {"error": f"exited {proc.returncode}: " + "\n".join(proc.stdout.splitlines()[-15:])}}
+            result = (
+                json.loads(out_json.read_text())
+                if out_json.exists()
+                else {
+                    "ok": False,
+                    "detail": {"error": f"exited {proc.returncode}: " + "\n".join(proc.stdout.splitlines()[-15:])},
+                }
+            )
         except subprocess.TimeoutExpired:
             result = {"ok": False, "detail": {"error": f"ran past its limit of {limit * scale:.0f} s"}}
         skipped = isinstance(result["detail"], dict) and SKIPPED in result["detail"]
-        row = {"name": name, "ok": result["ok"], "skipped": skipped, "seconds": round(time.time() - start, 1),
-               "detail": result["detail"]}
+        row = {
+            "name": name,
+            "ok": result["ok"],
+            "skipped": skipped,
+            "seconds": round(time.time() - start, 1),
+            "detail": result["detail"],
+        }
         parts.append(row)
         part_file = results_dir / f"gpu-check-{stamp}-{name}.json"
         part_file.write_text(json.dumps(row, indent=2, default=str) + "\n")
-        echo(f"== {name}: {'skipped' if skipped else 'ok' if row['ok'] else 'FAILED'} after {row['seconds']} s"
-             + ("" if row["ok"] else f"\n{row['detail'].get('error', '')}"))
+        echo(
+            f"== {name}: {'skipped' if skipped else 'ok' if row['ok'] else 'FAILED'} after {row['seconds']} s"
+            + ("" if row["ok"] else f"\n{row['detail'].get('error', '')}")
+        )
     # On a GPU every part must run: a skip there is a gap in the proof, not a pass.
     ok = all(p["ok"] and not (device == "cuda" and p["skipped"]) for p in parts)
     summary = {**_environment(device), "parts": parts, "ok": ok}
@@ -414,8 +565,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default=os.environ.get("DEVICE", "auto"))
     parser.add_argument("--workdir", help="scratch directory (default: a fresh one under /tmp)")
-    parser.add_argument("--results-dir", default=str(RESULTS), help="where the JSON and logs go (default "
-                        "work/bench-results; a device run's are copied to $OUT too, to commit under bench/results/)")
+    parser.add_argument(
+        "--results-dir",
+        default=str(RESULTS),
+        help="where the JSON and logs go (default "
+        "work/bench-results; a device run's are copied to $OUT too, to commit under bench/results/)",
+    )
     parser.add_argument("--only", nargs="+", choices=sorted(PARTS), help="run only these parts")
     parser.add_argument("--time-scale", type=float, default=1.0, help="multiply every part's time limit")
     parser.add_argument("--part", choices=sorted(PARTS), help=argparse.SUPPRESS)  # the child's job

@@ -60,10 +60,22 @@ def _gpt_cases(tokens: int, vocab: int, heads: int, seq: int, dtype: torch.dtype
     batch = tokens // seq
     labels = torch.randint(0, vocab, (tokens,), device=device)
     return [
-        Case("softmax", lambda b, a: scaled_causal_softmax(a[0], 0.125, backend=b),
-             lambda: [randn(batch, heads, seq, seq, scale=4.0)], batch * heads * seq * seq * element, 2, 3),
-        Case("cross_entropy", lambda b, a: cross_entropy(a[0], labels, backend=b),
-             lambda: [randn(tokens, vocab, scale=3.0)], tokens * vocab * element, 1, 2),
+        Case(
+            "softmax",
+            lambda b, a: scaled_causal_softmax(a[0], 0.125, backend=b),
+            lambda: [randn(batch, heads, seq, seq, scale=4.0)],
+            batch * heads * seq * seq * element,
+            2,
+            3,
+        ),
+        Case(
+            "cross_entropy",
+            lambda b, a: cross_entropy(a[0], labels, backend=b),
+            lambda: [randn(tokens, vocab, scale=3.0)],
+            tokens * vocab * element,
+            1,
+            2,
+        ),
     ]
 
 
@@ -159,30 +171,46 @@ def _phase_entry(ours: dict, eager: dict, phase: str, moved: int, copy_gbps: flo
     """One phase's figures: wall and device times of both backends, speedups, Triton's GB/s (by wall time)."""
     ms, device_ms = ours[f"{phase}_ms"], ours[f"{phase}_device_ms"]
     gbps = moved / (ms * 1e-3) / 1e9
-    return {"triton_ms": ms, "torch_ms": eager[f"{phase}_ms"], "speedup": eager[f"{phase}_ms"] / ms,
-            "triton_GBps": gbps, "fraction_of_copy": gbps / copy_gbps,
-            "triton_device_ms": device_ms, "torch_device_ms": eager[f"{phase}_device_ms"],
-            "device_speedup": _ratio(eager[f"{phase}_device_ms"], device_ms),
-            "triton_device_fraction_of_copy": _ratio(moved / copy_gbps / 1e6, device_ms),
-            "launch_bound": None if device_ms is None else device_ms < 0.5 * ms,
-            "triton_kernels": ours[f"{phase}_kernels"], "torch_kernels": eager[f"{phase}_kernels"]}
+    return {
+        "triton_ms": ms,
+        "torch_ms": eager[f"{phase}_ms"],
+        "speedup": eager[f"{phase}_ms"] / ms,
+        "triton_GBps": gbps,
+        "fraction_of_copy": gbps / copy_gbps,
+        "triton_device_ms": device_ms,
+        "torch_device_ms": eager[f"{phase}_device_ms"],
+        "device_speedup": _ratio(eager[f"{phase}_device_ms"], device_ms),
+        "triton_device_fraction_of_copy": _ratio(moved / copy_gbps / 1e6, device_ms),
+        "launch_bound": None if device_ms is None else device_ms < 0.5 * ms,
+        "triton_kernels": ours[f"{phase}_kernels"],
+        "torch_kernels": eager[f"{phase}_kernels"],
+    }
 
 
 def _describe(name: str, entry: dict) -> str:
     line = f"{name}:"
     for phase, label in (("fwd", "fwd"), ("fwd_bwd", "fwd+bwd")):
         e = entry[phase]
-        line += (f" {label} {e['triton_GBps']:.0f} GB/s ({e['fraction_of_copy']:.0%} of copy, "
-                 f"{e['speedup']:.2f}x eager")
+        line += f" {label} {e['triton_GBps']:.0f} GB/s ({e['fraction_of_copy']:.0%} of copy, {e['speedup']:.2f}x eager"
         if e["device_speedup"] is not None:
-            line += (f"; device {e['triton_device_ms']:.3f} vs {e['torch_device_ms']:.3f} ms, "
-                     f"{e['device_speedup']:.2f}x{', launch-bound' if e['launch_bound'] else ''}")
+            line += (
+                f"; device {e['triton_device_ms']:.3f} vs {e['torch_device_ms']:.3f} ms, "
+                f"{e['device_speedup']:.2f}x{', launch-bound' if e['launch_bound'] else ''}"
+            )
         line += ");"
     return line.rstrip(";")
 
 
-def run(tokens: int = 12 * 1024, vocab: int = 32768, heads: int = 12, seq: int = 1024,
-        dtype: str = "bf16", iters: int = 50, device: str = "cuda", copy_megabytes: int = 1024) -> dict:
+def run(
+    tokens: int = 12 * 1024,
+    vocab: int = 32768,
+    heads: int = 12,
+    seq: int = 1024,
+    dtype: str = "bf16",
+    iters: int = 50,
+    device: str = "cuda",
+    copy_megabytes: int = 1024,
+) -> dict:
     if device not in ("cuda", "cpu"):
         raise UserError(f"--device {device!r}: use cuda (the benchmark) or cpu (its check, in Triton's interpreter)")
     if device == "cuda" and not torch.cuda.is_available():
@@ -231,11 +259,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     parser.add_argument("--iters", type=int, default=50)
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
-                        help="cpu: check the benchmark itself through Triton's interpreter (TRITON_INTERPRET=1)")
+    parser.add_argument(
+        "--device",
+        default="cuda",
+        choices=["cuda", "cpu"],
+        help="cpu: check the benchmark itself through Triton's interpreter (TRITON_INTERPRET=1)",
+    )
     parser.add_argument("--copy-megabytes", type=int, default=1024, help="size of the copy-bandwidth tensor")
-    parser.add_argument("--results-dir", type=Path, default=None,
-                        help="where the JSON goes (default work/bench-results)")
+    parser.add_argument(
+        "--results-dir", type=Path, default=None, help="where the JSON goes (default work/bench-results)"
+    )
     args = parser.parse_args(argv)
     results_dir = args.results_dir
     del args.results_dir

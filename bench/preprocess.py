@@ -85,14 +85,38 @@ def run(
     tokenizer_seconds = time.perf_counter() - t0
 
     args = preprocess_args(
-        input=[str(corpus)], json_keys=["content"], output_prefix=str(workdir / "out" / "stdlib"),
-        vocab_file=str(vocab), merge_file=str(merges), append_eod=True, workers=workers,
-        log_interval=log_interval, tokenizer_engine=engine,
+        input=[str(corpus)],
+        json_keys=["content"],
+        output_prefix=str(workdir / "out" / "stdlib"),
+        vocab_file=str(vocab),
+        merge_file=str(merges),
+        append_eod=True,
+        workers=workers,
+        log_interval=log_interval,
+        tokenizer_engine=engine,
     )
-    command = [sys.executable, "-m", "megatron_core.data.preprocess", "--input", str(corpus), "--json-keys", "content",
-               "--output-prefix", str(workdir / "out-cli" / "stdlib"), "--vocab-file", str(vocab), "--merge-file",
-               str(merges), "--tokenizer-type", "GPT2BPETokenizer", "--append-eod", "--workers", str(workers),
-               "--log-interval", str(log_interval)]
+    command = [
+        sys.executable,
+        "-m",
+        "megatron_core.data.preprocess",
+        "--input",
+        str(corpus),
+        "--json-keys",
+        "content",
+        "--output-prefix",
+        str(workdir / "out-cli" / "stdlib"),
+        "--vocab-file",
+        str(vocab),
+        "--merge-file",
+        str(merges),
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--append-eod",
+        "--workers",
+        str(workers),
+        "--log-interval",
+        str(log_interval),
+    ]
     (workdir / "out-cli").mkdir(exist_ok=True)
     # Best of `repeats` runs of the whole command (all are recorded): on a shared machine one run can
     # take 40% longer than the next, as bench.train keeps each side's best run.
@@ -158,8 +182,16 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="runs of the whole command; the best is reported")
     p.add_argument("--results-dir", default=None, help="where the JSON goes (default work/bench-results)")
     a = p.parse_args(argv)
-    result = run(a.workers, a.vocab_size, a.workdir, a.recipe_hash, a.engine, a.max_bytes, repeats=a.repeats,
-                 results_dir=a.results_dir)
+    result = run(
+        a.workers,
+        a.vocab_size,
+        a.workdir,
+        a.recipe_hash,
+        a.engine,
+        a.max_bytes,
+        repeats=a.repeats,
+        results_dir=a.results_dir,
+    )
     print(json.dumps(result))
     return 0
 

@@ -24,8 +24,10 @@ def time_table(prof, calls: int, device_type: str, unit: str = "call") -> tuple[
         rows = [(e.key, e.count, e.self_cpu_time_total) for e in averages]
     rows = [row for row in rows if row[2] > 0]
     total_us = sum(us for _, _, us in rows)
-    table = [{"op": key, "calls": count // calls, f"ms_per_{unit}": us / 1e3 / calls, "share": us / (total_us or 1.0)}
-             for key, count, us in sorted(rows, key=lambda row: -row[2])]
+    table = [
+        {"op": key, "calls": count // calls, f"ms_per_{unit}": us / 1e3 / calls, "share": us / (total_us or 1.0)}
+        for key, count, us in sorted(rows, key=lambda row: -row[2])
+    ]
     return total_us / 1e3 / calls, table
 
 

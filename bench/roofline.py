@@ -33,8 +33,16 @@ class Gemm:
         return 3 * 2.0 * self.batch * self.m * self.k * self.n * self.count
 
 
-def model_gemms(*, micro_batch_size: int, seq_length: int, num_layers: int, hidden_size: int, ffn_hidden_size: int,
-                num_attention_heads: int, padded_vocab_size: int) -> list[Gemm]:
+def model_gemms(
+    *,
+    micro_batch_size: int,
+    seq_length: int,
+    num_layers: int,
+    hidden_size: int,
+    ffn_hidden_size: int,
+    num_attention_heads: int,
+    padded_vocab_size: int,
+) -> list[Gemm]:
     b, s, L, h, f, v = micro_batch_size, seq_length, num_layers, hidden_size, ffn_hidden_size, padded_vocab_size
     t, heads, d = b * s, num_attention_heads, hidden_size // num_attention_heads
     return [
@@ -63,9 +71,9 @@ def _time_gemm(gemm: Gemm, dtype: torch.dtype, device: torch.device, repeats: in
     out_weight = torch.empty(gemm.batch, gemm.k, gemm.n, device=device, dtype=dtype)
 
     def once() -> None:
-        torch.bmm(a, w, out=out_forward)                    # forward      [m,k]x[k,n]
-        torch.bmm(g, w.transpose(1, 2), out=out_input)      # input grad   [m,n]x[n,k]
-        torch.bmm(a.transpose(1, 2), g, out=out_weight)     # weight grad  [k,m]x[m,n]
+        torch.bmm(a, w, out=out_forward)  # forward      [m,k]x[k,n]
+        torch.bmm(g, w.transpose(1, 2), out=out_input)  # input grad   [m,n]x[n,k]
+        torch.bmm(a.transpose(1, 2), g, out=out_weight)  # weight grad  [k,m]x[m,n]
 
     once()  # warm-up (kernel selection, caches)
     best = float("inf")
@@ -80,19 +88,30 @@ def _time_gemm(gemm: Gemm, dtype: torch.dtype, device: torch.device, repeats: in
     return best
 
 
-def measure(gemms: list[Gemm], micro_batches: int, dtype: torch.dtype, device: torch.device,
-            repeats: int = 3) -> dict:
+def measure(gemms: list[Gemm], micro_batches: int, dtype: torch.dtype, device: torch.device, repeats: int = 3) -> dict:
     """The GEMM time and FLOP/s of one training iteration (micro_batches x the model's GEMMs)."""
     rows, total_seconds, total_flops = [], 0.0, 0.0
     for gemm in gemms:
         seconds = _time_gemm(gemm, dtype, device, repeats) * gemm.count * micro_batches
         flops = gemm.flops * micro_batches
-        rows.append({"gemm": gemm.name, "shape": [gemm.batch, gemm.m, gemm.k, gemm.n], "per_iteration": gemm.count
-                     * micro_batches, "ms": seconds * 1e3, "tflops": flops / seconds / 1e12})
+        rows.append(
+            {
+                "gemm": gemm.name,
+                "shape": [gemm.batch, gemm.m, gemm.k, gemm.n],
+                "per_iteration": gemm.count * micro_batches,
+                "ms": seconds * 1e3,
+                "tflops": flops / seconds / 1e12,
+            }
+        )
         total_seconds += seconds
         total_flops += flops
-    return {"dtype": _name(dtype), "gemm_ms_per_iteration": total_seconds * 1e3,
-            "gemm_flops_per_iteration": total_flops, "gemm_tflops": total_flops / total_seconds / 1e12, "gemms": rows}
+    return {
+        "dtype": _name(dtype),
+        "gemm_ms_per_iteration": total_seconds * 1e3,
+        "gemm_flops_per_iteration": total_flops,
+        "gemm_tflops": total_flops / total_seconds / 1e12,
+        "gemms": rows,
+    }
 
 
 # Below this fraction of float32's matmul speed a 16-bit GEMM is taken as emulated: on a CPU without
@@ -106,21 +125,30 @@ def gemm_speed_check(dtype: torch.dtype, device: torch.device, size: int = 256, 
     both gradients, timed as the roofline times them) in `dtype` against float32, and the CPU's bf16
     instructions as torch reports them."""
     probe = Gemm("probe", 1, size, size, size, 1)
-    gflops = {kind: probe.flops / _time_gemm(probe, kind, device, repeats) / 1e9
-              for kind in dict.fromkeys((dtype, torch.float32))}
-    check = {"dtype": _name(dtype), "gflops": gflops[dtype], "fp32_gflops": gflops[torch.float32],
-             "native": gflops[dtype] >= NATIVE_FRACTION_OF_FP32 * gflops[torch.float32]}
+    gflops = {
+        kind: probe.flops / _time_gemm(probe, kind, device, repeats) / 1e9
+        for kind in dict.fromkeys((dtype, torch.float32))
+    }
+    check = {
+        "dtype": _name(dtype),
+        "gflops": gflops[dtype],
+        "fp32_gflops": gflops[torch.float32],
+        "native": gflops[dtype] >= NATIVE_FRACTION_OF_FP32 * gflops[torch.float32],
+    }
     if device.type == "cpu":  # private but stable helpers (torch.cpu); absent ones read as unknown
-        check["cpu_bf16_instructions"] = {name: getattr(torch.cpu, f"_is_{name}_supported", lambda: None)()
-                                          for name in ("avx512_bf16", "amx_tile")}
+        check["cpu_bf16_instructions"] = {
+            name: getattr(torch.cpu, f"_is_{name}_supported", lambda: None)() for name in ("avx512_bf16", "amx_tile")
+        }
     return check
 
 
 def emulated_summary(check: dict) -> str:
     """The figures behind a gemm_speed_check that found the dtype emulated, for the refusal and the warning."""
     cpu = check.get("cpu_bf16_instructions")  # only on a CPU: a GPU's message would read "None" otherwise
-    return (f"{check['dtype']} matmuls are emulated here ({check['gflops']:.1f} GFLOP/s against "
-            f"{check['fp32_gflops']:.0f} in float32" + (f"; CPU bf16 instructions {cpu})" if cpu else ")"))
+    return (
+        f"{check['dtype']} matmuls are emulated here ({check['gflops']:.1f} GFLOP/s against "
+        f"{check['fp32_gflops']:.0f} in float32" + (f"; CPU bf16 instructions {cpu})" if cpu else ")")
+    )
 
 
 def _name(dtype: torch.dtype) -> str:

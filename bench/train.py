@@ -96,8 +96,10 @@ class Setup:
         from megatron_core.training import flops
 
         if recipe.parallel.world_size != 1:
-            raise UserError(f"bench.train times one device; recipe {recipe.name} has parallel.world_size "
-                            f"{recipe.parallel.world_size}: add --set parallel.world_size=1 (and TP/PP 1)")
+            raise UserError(
+                f"bench.train times one device; recipe {recipe.name} has parallel.world_size "
+                f"{recipe.parallel.world_size}: add --set parallel.world_size=1 (and TP/PP 1)"
+            )
         self.recipe = recipe
         workflow.ensure_training_inputs(recipe, workdir)  # the data steps, only where missing
         vocab, merges = workflow.tokenizer_files(recipe, workdir)
@@ -113,19 +115,31 @@ class Setup:
         m, t = recipe.model, recipe.training
         self.tokens_per_iteration = t.global_batch_size * m.seq_length
         self.flops_per_iteration = flops.model_flops_per_iteration(
-            global_batch_size=t.global_batch_size, seq_length=m.seq_length, num_layers=m.num_layers,
-            hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_size, padded_vocab_size=self.padded_vocab,
-            full_recompute=recipe.parallel.recompute_granularity == "full")
+            global_batch_size=t.global_batch_size,
+            seq_length=m.seq_length,
+            num_layers=m.num_layers,
+            hidden_size=m.hidden_size,
+            ffn_hidden_size=m.ffn_size,
+            padded_vocab_size=self.padded_vocab,
+            full_recompute=recipe.parallel.recompute_granularity == "full",
+        )
         self.device_name = train_lib.device_name(self.device)
-        self.peak_tflops = (flops.device_peak_tflops(self.device_name, self.precision)
-                            if self.device.type == "cuda" else None)
+        self.peak_tflops = (
+            flops.device_peak_tflops(self.device_name, self.precision) if self.device.type == "cuda" else None
+        )
 
     def batches(self):
         from megatron_core.training.data_iterators import batch_iterator
 
-        iterator = batch_iterator(self.train_ds, consumed_samples=0,
-                                  micro_batch_size=self.recipe.training.micro_batch_size,
-                                  dp_rank=0, dp_size=1, device=self.device, wrap=True)
+        iterator = batch_iterator(
+            self.train_ds,
+            consumed_samples=0,
+            micro_batch_size=self.recipe.training.micro_batch_size,
+            dp_rank=0,
+            dp_size=1,
+            device=self.device,
+            wrap=True,
+        )
         self._iterators.append(iterator)
         return iterator
 
@@ -150,9 +164,20 @@ def build_ours(setup: Setup, recipe: Optional[config.Recipe] = None):
     train_lib.seed_everything(recipe.training.seed, setup.device.type)
     _, model, inner, optimizer = train_lib.build_model_and_optimizer(recipe, setup.padded_vocab, setup.device)
     run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=setup.scratch.name))
-    trainer = Trainer(recipe, model, (setup.train_ds, None, None), setup.padded_vocab, run_dir, optimizer=optimizer,
-                      device=setup.device, save=None, load=None, logger=RunLogger(run_dir, writer=False),
-                      device_name=setup.device_name, precision=setup.precision)
+    trainer = Trainer(
+        recipe,
+        model,
+        (setup.train_ds, None, None),
+        setup.padded_vocab,
+        run_dir,
+        optimizer=optimizer,
+        device=setup.device,
+        save=None,
+        load=None,
+        logger=RunLogger(run_dir, writer=False),
+        device_name=setup.device_name,
+        precision=setup.precision,
+    )
     batches = setup.batches()
     model.train()
 
@@ -161,10 +186,12 @@ def build_ours(setup: Setup, recipe: Optional[config.Recipe] = None):
         loss, ok, _ = trainer.train_step(batches)
         return loss if ok else float("nan")
 
-    description = {"backends": f"{inner.describe_backends()}; {optimizer.description}; "
-                               f"training.compile: {recipe.training.compile}",
-                   "precision_regime": train_lib.precision_regime(recipe),
-                   "grad_buffer_mb": model.grad_sync.grad_buffer_bytes / 2**20}
+    description = {
+        "backends": f"{inner.describe_backends()}; {optimizer.description}; "
+        f"training.compile: {recipe.training.compile}",
+        "precision_regime": train_lib.precision_regime(recipe),
+        "grad_buffer_mb": model.grad_sync.grad_buffer_bytes / 2**20,
+    }
     return step, inner, description, optimizer
 
 
@@ -190,8 +217,9 @@ def build_hf(setup: Setup, start_state: dict):
     masters = [torch.nn.Parameter(p.detach().float().clone()) for _, p in named] if low else None
     stepped = [(n, m) for (n, _), m in zip(named, masters)] if low else named
     options = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    optimizer = torch.optim.AdamW(param_groups(stepped, t.weight_decay), lr=t.lr,
-                                  betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, **options)
+    optimizer = torch.optim.AdamW(
+        param_groups(stepped, t.weight_decay), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, **options
+    )
     scheduler = OptimizerParamScheduler.for_training(optimizer, t)  # ours, too
     scaler = torch.amp.GradScaler(device.type) if setup.precision == "fp16" else None
     micro_batches = recipe.num_micro_batches
@@ -204,8 +232,9 @@ def build_hf(setup: Setup, start_state: dict):
         for _ in range(micro_batches):
             batch = next(batches)
             logits = model(input_ids=batch["tokens"], position_ids=batch["position_ids"]).logits
-            per_token = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(),
-                                                          reduction="none")
+            per_token = torch.nn.functional.cross_entropy(
+                logits.float().flatten(0, 1), batch["labels"].flatten(), reduction="none"
+            )
             mask = batch["loss_mask"].flatten().float()
             loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
             (scaler.scale(loss / micro_batches) if scaler else loss / micro_batches).backward()
@@ -236,8 +265,10 @@ def baseline_regime(precision: str) -> str:
     if precision == "fp32":
         return "fp32 weights and AdamW, gradients in fp32 .grad"
     scaling = "dynamic loss scaling (torch GradScaler)" if precision == "fp16" else "no loss scaling"
-    return (f"{precision} weights, fp32 master weights (torch AdamW on fp32 copies, copied back after each step), "
-            f"gradients accumulated in {precision} .grad and cast to fp32 once per step, {scaling}")
+    return (
+        f"{precision} weights, fp32 master weights (torch AdamW on fp32 copies, copied back after each step), "
+        f"gradients accumulated in {precision} .grad and cast to fp32 once per step, {scaling}"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -250,9 +281,11 @@ def host_syncs(setup: "Setup", step: Callable[[], object], iters: int) -> dict:
     at every synchronizing CUDA operation (.item(), float(), a device-to-host copy), and explicit
     torch.cuda.synchronize() calls are counted beside it. None on a CPU, with the reason."""
     if setup.device.type != "cuda":
-        return {"host_syncs_per_iteration": None,
-                "host_syncs_note": "counted on CUDA only (torch.cuda.set_sync_debug_mode); on a CPU nothing "
-                                   "waits for a device: tests/test_host_syncs.py counts the reads instead"}
+        return {
+            "host_syncs_per_iteration": None,
+            "host_syncs_note": "counted on CUDA only (torch.cuda.set_sync_debug_mode); on a CPU nothing "
+            "waits for a device: tests/test_host_syncs.py counts the reads instead",
+        }
     import collections
     import warnings
 
@@ -279,8 +312,10 @@ def host_syncs(setup: "Setup", step: Callable[[], object], iters: int) -> dict:
     for warning in caught:
         if "synchroniz" in str(warning.message):
             sites[_site(warning.filename, warning.lineno)] += 1
-    return {"host_syncs_per_iteration": sum(sites.values()) / iters,
-            "host_sync_sites": {site: n / iters for site, n in sites.most_common()}}
+    return {
+        "host_syncs_per_iteration": sum(sites.values()) / iters,
+        "host_sync_sites": {site: n / iters for site, n in sites.most_common()},
+    }
 
 
 def _site(filename: str, lineno: int) -> str:
@@ -310,9 +345,14 @@ def timed(setup: Setup, step: Callable[[], float], iters: int, warmup: int) -> d
     seconds = (time.perf_counter() - start) / iters
     losses = [float(x) for x in losses]  # read after the clock stopped: ours keeps its losses on the device
     tflops = setup.flops_per_iteration / seconds / 1e12
-    result = {"ms_per_iteration": seconds * 1e3, "tokens_per_s": setup.tokens_per_iteration / seconds,
-              "tflops_per_device": tflops, "peak_memory_mb": _peak_memory_mb(device),
-              "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None}
+    result = {
+        "ms_per_iteration": seconds * 1e3,
+        "tokens_per_s": setup.tokens_per_iteration / seconds,
+        "tflops_per_device": tflops,
+        "peak_memory_mb": _peak_memory_mb(device),
+        "first_loss": losses[0] if losses else None,
+        "last_loss": losses[-1] if losses else None,
+    }
     if setup.peak_tflops:
         result["mfu"] = tflops / setup.peak_tflops
     if not all(math.isfinite(x) for x in losses):
@@ -320,8 +360,13 @@ def timed(setup: Setup, step: Callable[[], float], iters: int, warmup: int) -> d
     return result
 
 
-def paired_rounds(setup: Setup, steps: dict[str, Callable[[], float]], gemm_ms: Callable[[], float],
-                  rounds: int, steps_per_round: int = 2) -> dict:
+def paired_rounds(
+    setup: Setup,
+    steps: dict[str, Callable[[], float]],
+    gemm_ms: Callable[[], float],
+    rounds: int,
+    steps_per_round: int = 2,
+) -> dict:
     """The ratios, measured so that a drifting machine cannot skew them. A shared machine's speed moves by
     a quarter within seconds (here a fixed GEMM took 33-52 ms over 30 s), so two sides timed in separate
     windows differ by luck. Each round times a few consecutive steps of each side and one pass of the
@@ -333,8 +378,10 @@ def paired_rounds(setup: Setup, steps: dict[str, Callable[[], float]], gemm_ms: 
     names = list(steps)
     samples = []
     for index in range(rounds):
-        times = {name: timed(setup, steps[name], steps_per_round, warmup=1)["ms_per_iteration"]
-                 for name in (names if index % 2 == 0 else names[::-1])}
+        times = {
+            name: timed(setup, steps[name], steps_per_round, warmup=1)["ms_per_iteration"]
+            for name in (names if index % 2 == 0 else names[::-1])
+        }
         times["gemm"] = gemm_ms()
         samples.append(times)
 
@@ -343,9 +390,12 @@ def paired_rounds(setup: Setup, steps: dict[str, Callable[[], float]], gemm_ms: 
         ordered = sorted(values)
         return [ordered[len(ordered) // 4], statistics.median(ordered), ordered[(3 * len(ordered)) // 4]]
 
-    result = {"rounds": rounds, "steps_per_round": steps_per_round,
-              "ms_median": {name: statistics.median(t[name] for t in samples) for name in [*names, "gemm"]},
-              "fraction_of_gemm_quartiles": quartiles([t["gemm"] / t["ours"] for t in samples])}
+    result = {
+        "rounds": rounds,
+        "steps_per_round": steps_per_round,
+        "ms_median": {name: statistics.median(t[name] for t in samples) for name in [*names, "gemm"]},
+        "fraction_of_gemm_quartiles": quartiles([t["gemm"] / t["ours"] for t in samples]),
+    }
     if "baseline" in steps:
         result["ratio_quartiles"] = quartiles([t["baseline"] / t["ours"] for t in samples])
         result["ratio_bound_quartiles"] = quartiles([t["baseline"] / t["gemm"] for t in samples])
@@ -358,21 +408,47 @@ def _free() -> None:
         torch.cuda.empty_cache()
 
 
-def run(recipe_spec: str = "codeparrot-tiny", overrides=(), workdir: str = "./work", iters: int = 20,
-        warmup: int = 3, repeats: int = 2, baseline: Optional[str] = None, write: bool = True,
-        echo=print, results_dir: Optional[Path] = None, profile_steps: int = 3, rounds: int = 10,
-        allow_emulated_gemm: bool = False) -> dict:
+def run(
+    recipe_spec: str = "codeparrot-tiny",
+    overrides=(),
+    workdir: str = "./work",
+    iters: int = 20,
+    warmup: int = 3,
+    repeats: int = 2,
+    baseline: Optional[str] = None,
+    write: bool = True,
+    echo=print,
+    results_dir: Optional[Path] = None,
+    profile_steps: int = 3,
+    rounds: int = 10,
+    allow_emulated_gemm: bool = False,
+) -> dict:
     if baseline not in (None, "hf"):
         raise UserError(f"--baseline {baseline!r} is not known; use --baseline hf (transformers GPT2LMHeadModel)")
     if iters < 1 or warmup < 0 or repeats < 1 or rounds < 1:
-        raise UserError(f"need --iters >= 1, --warmup >= 0, --repeats >= 1, --rounds >= 1 "
-                        f"(got {iters}, {warmup}, {repeats}, {rounds})")
+        raise UserError(
+            f"need --iters >= 1, --warmup >= 0, --repeats >= 1, --rounds >= 1 "
+            f"(got {iters}, {warmup}, {repeats}, {rounds})"
+        )
     recipe = config.load_recipe(recipe_spec, list(overrides))
     gemm_check = check_gemm_dtype(recipe, allow_emulated_gemm)
     setup = Setup(recipe, workdir)
     try:
-        return _run(setup, recipe, overrides, iters, warmup, repeats, baseline, write, echo, results_dir,
-                    profile_steps, rounds, gemm_check)
+        return _run(
+            setup,
+            recipe,
+            overrides,
+            iters,
+            warmup,
+            repeats,
+            baseline,
+            write,
+            echo,
+            results_dir,
+            profile_steps,
+            rounds,
+            gemm_check,
+        )
     finally:
         setup.close()
 
@@ -390,7 +466,8 @@ def check_gemm_dtype(recipe: config.Recipe, allow_emulated: bool) -> dict:
         raise UserError(
             f"{roofline.emulated_summary(check)}: a timing would measure the fallback, not the step; time "
             f"{check['dtype']} on a GPU or a CPU with AVX512-BF16/AMX, use --set bf16=false, or pass "
-            f"--allow-emulated-gemm to run it anyway")
+            f"--allow-emulated-gemm to run it anyway"
+        )
     return check
 
 
@@ -411,45 +488,75 @@ def profile_ours(setup: "Setup", steps: int = 3, top: int = 15) -> tuple[list[di
     return table[:top], matmul_split(table, setup.device.type, unit="step")
 
 
-def _run(setup, recipe, overrides, iters, warmup, repeats, baseline, write, echo, results_dir,
-         profile_steps: int, rounds: int, gemm_check: dict) -> dict:
-    echo(f"bench.train: {recipe.describe()} on {setup.device_name}, {setup.precision}, "
-         f"{setup.tokens_per_iteration} tokens per iteration, {iters} timed after {warmup} warm-up, "
-         f"{repeats} alternating runs", )
+def _run(
+    setup,
+    recipe,
+    overrides,
+    iters,
+    warmup,
+    repeats,
+    baseline,
+    write,
+    echo,
+    results_dir,
+    profile_steps: int,
+    rounds: int,
+    gemm_check: dict,
+) -> dict:
+    echo(
+        f"bench.train: {recipe.describe()} on {setup.device_name}, {setup.precision}, "
+        f"{setup.tokens_per_iteration} tokens per iteration, {iters} timed after {warmup} warm-up, "
+        f"{repeats} alternating runs",
+    )
     if not gemm_check["native"]:
-        echo(f"warning: {roofline.emulated_summary(gemm_check)}: the figures describe the fallback; "
-             "no target is judged")
+        echo(
+            f"warning: {roofline.emulated_summary(gemm_check)}: the figures describe the fallback; no target is judged"
+        )
 
     # Same work check: one step of each from the same weights (ours, converted), dropout off.
     check, start_state = None, None
     if baseline:
         step, ours_model = build_ours(setup)[:2]
-        start_state = {k: v.detach().float().cpu().clone() for k, v in ours_model.state_dict().items()
-                       if not k.endswith("_extra_state")}
+        start_state = {
+            k: v.detach().float().cpu().clone()
+            for k, v in ours_model.state_dict().items()
+            if not k.endswith("_extra_state")
+        }
         hf_step = build_hf(setup, start_state)
         ours_losses = [float(step()) for _ in range(3)]
         hf_losses = [hf_step() for _ in range(3)]
         ours_loss, hf_loss = ours_losses[0], hf_losses[0]
-        check = {"ours_losses": ours_losses, "baseline_losses": hf_losses,
-                 "relative_difference": abs(ours_loss - hf_loss) / abs(hf_loss),
-                 "max_relative_difference_3_steps": max(abs(a - b) / abs(b) for a, b in zip(ours_losses, hf_losses))}
+        check = {
+            "ours_losses": ours_losses,
+            "baseline_losses": hf_losses,
+            "relative_difference": abs(ours_loss - hf_loss) / abs(hf_loss),
+            "max_relative_difference_3_steps": max(abs(a - b) / abs(b) for a, b in zip(ours_losses, hf_losses)),
+        }
         no_dropout = recipe.model.hidden_dropout == 0 and recipe.model.attention_dropout == 0
         check["enforced"] = no_dropout
         if not no_dropout:  # the two draw different dropout masks: the losses cannot be compared
-            echo("same-work check NOT enforced: dropout is on; --set hidden_dropout=0 --set attention_dropout=0 "
-                 "to compare the losses")
+            echo(
+                "same-work check NOT enforced: dropout is on; --set hidden_dropout=0 --set attention_dropout=0 "
+                "to compare the losses"
+            )
         tolerance = 1e-4 if setup.precision == "fp32" else 2e-2
         if no_dropout and check["relative_difference"] > tolerance:
-            raise RuntimeError(f"ours and the baseline disagree on the first step's loss from the same weights "
-                               f"({ours_loss:.6f} vs {hf_loss:.6f}): they are not doing the same work")
+            raise RuntimeError(
+                f"ours and the baseline disagree on the first step's loss from the same weights "
+                f"({ours_loss:.6f} vs {hf_loss:.6f}): they are not doing the same work"
+            )
         # bf16 too: on an H200 all-PyTorch fusions stayed within 2e-6 of transformers over 3 steps while
         # all-Triton ones drifted 1.0e-3 at step 3; codeparrot-tiny in bf16 on a CPU stays within 3e-5.
         drift_tolerance = {"fp32": 1e-3, "bf16": 5e-4}.get(setup.precision)
         if no_dropout and drift_tolerance and check["max_relative_difference_3_steps"] > drift_tolerance:
-            raise RuntimeError(f"ours and the baseline drift apart within 3 steps ({ours_losses} vs {hf_losses}): "
-                               "they are not doing the same work")
-        echo(f"same work: losses of the first 3 steps, ours {', '.join(f'{x:.6f}' for x in ours_losses)}; "
-             f"transformers {', '.join(f'{x:.6f}' for x in hf_losses)}")
+            raise RuntimeError(
+                f"ours and the baseline drift apart within 3 steps ({ours_losses} vs {hf_losses}): "
+                "they are not doing the same work"
+            )
+        echo(
+            f"same work: losses of the first 3 steps, ours {', '.join(f'{x:.6f}' for x in ours_losses)}; "
+            f"transformers {', '.join(f'{x:.6f}' for x in hf_losses)}"
+        )
         del step, ours_model, hf_step
         _free()
 
@@ -457,7 +564,7 @@ def _run(setup, recipe, overrides, iters, warmup, repeats, baseline, write, echo
     sides = ["ours", "baseline"] if baseline else ["ours"]
     description = None
     for attempt in range(repeats):
-        for side in (sides if attempt % 2 == 0 else sides[::-1]):
+        for side in sides if attempt % 2 == 0 else sides[::-1]:
             _reset_peak_memory(setup.device)
             if side == "ours":
                 step, ours_model, description = build_ours(setup)[:3]
@@ -466,18 +573,25 @@ def _run(setup, recipe, overrides, iters, warmup, repeats, baseline, write, echo
                 step = build_hf(setup, start_state)
             result = timed(setup, step, iters, warmup)
             runs[side].append(result)
-            echo(f"  run {attempt + 1} {side:8s}: {result['tokens_per_s']:10.0f} tokens/s, "
-                 f"{result['ms_per_iteration']:8.1f} ms/iter, {result['tflops_per_device']:.3f} TFLOP/s, "
-                 f"peak {result['peak_memory_mb'] or float('nan'):.0f} MB")
+            echo(
+                f"  run {attempt + 1} {side:8s}: {result['tokens_per_s']:10.0f} tokens/s, "
+                f"{result['ms_per_iteration']:8.1f} ms/iter, {result['tflops_per_device']:.3f} TFLOP/s, "
+                f"peak {result['peak_memory_mb'] or float('nan'):.0f} MB"
+            )
             del step
             _free()
 
     best = {side: max(values, key=lambda r: r["tokens_per_s"]) for side, values in runs.items() if values}
     m, t = recipe.model, recipe.training
     model_gemms = roofline.model_gemms(
-        micro_batch_size=t.micro_batch_size, seq_length=m.seq_length, num_layers=m.num_layers,
-        hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_size, num_attention_heads=m.num_attention_heads,
-        padded_vocab_size=setup.padded_vocab)
+        micro_batch_size=t.micro_batch_size,
+        seq_length=m.seq_length,
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        ffn_hidden_size=m.ffn_size,
+        num_attention_heads=m.num_attention_heads,
+        padded_vocab_size=setup.padded_vocab,
+    )
 
     def gemm_pass(best_of: int = 1) -> dict:
         return roofline.measure(model_gemms, recipe.num_micro_batches, setup.param_dtype, setup.device, best_of)
@@ -492,24 +606,30 @@ def _run(setup, recipe, overrides, iters, warmup, repeats, baseline, write, echo
     paired = paired_rounds(setup, steps, lambda: gemm_pass()["gemm_ms_per_iteration"], rounds)
     syncs = host_syncs(setup, steps["ours"], iters)
     if syncs["host_syncs_per_iteration"] is not None:
-        echo(f"host syncs per iteration (ours): {syncs['host_syncs_per_iteration']:.2f} at "
-             f"{', '.join(syncs['host_sync_sites']) or 'no site'}")
+        echo(
+            f"host syncs per iteration (ours): {syncs['host_syncs_per_iteration']:.2f} at "
+            f"{', '.join(syncs['host_sync_sites']) or 'no site'}"
+        )
     del steps
     _free()
     fraction = paired["fraction_of_gemm_quartiles"][1]
-    echo(f"roofline: this machine's {gemms['dtype']} matmuls at the model's GEMM shapes run "
-         f"{gemms['gemm_tflops']:.3f} TFLOP/s ({gemms['gemm_ms_per_iteration']:.1f} ms per iteration, best of 3; "
-         f"{paired['ms_median']['gemm']:.1f} ms, median of the paired rounds); fraction_of_gemm (ours, median of "
-         f"{rounds} paired rounds) {fraction:.2f}")
+    echo(
+        f"roofline: this machine's {gemms['dtype']} matmuls at the model's GEMM shapes run "
+        f"{gemms['gemm_tflops']:.3f} TFLOP/s ({gemms['gemm_ms_per_iteration']:.1f} ms per iteration, best of 3; "
+        f"{paired['ms_median']['gemm']:.1f} ms, median of the paired rounds); fraction_of_gemm (ours, median of "
+        f"{rounds} paired rounds) {fraction:.2f}"
+    )
     profile, split = profile_ours(setup, steps=profile_steps) if profile_steps else (None, None)
     if split:
         # Which side of the roofline the missing time is on: our step's own matmuls against the roofline's
         # (layouts, weight reorders, cold caches: above 1 the GEMMs themselves are slow), or the work outside.
         split["matmul_over_roofline"] = split["matmul_ms_per_step"] / gemms["gemm_ms_per_iteration"]
-        echo("profile (under the profiler, so a little slower): "
-             f"our step's matmuls {split['matmul_ms_per_step']:.1f} ms "
-             f"per iteration, {split['matmul_over_roofline']:.2f}x the roofline's GEMM time; everything else "
-             f"{split['other_ms_per_step']:.1f} ms")
+        echo(
+            "profile (under the profiler, so a little slower): "
+            f"our step's matmuls {split['matmul_ms_per_step']:.1f} ms "
+            f"per iteration, {split['matmul_over_roofline']:.2f}x the roofline's GEMM time; everything else "
+            f"{split['other_ms_per_step']:.1f} ms"
+        )
     result = {
         "benchmark": "train",
         "recipe": recipe.name,
@@ -527,21 +647,32 @@ def _run(setup, recipe, overrides, iters, warmup, repeats, baseline, write, echo
         "cpu_count": os.cpu_count(),
         # How freed host memory is kept: both sides share the process, so both run under it. glibc's default
         # returns large freed blocks to the OS, and a step that allocates fresh ones pays page faults for them.
-        "host_allocator": (f"glibc, GLIBC_TUNABLES={os.environ['GLIBC_TUNABLES']}" if os.environ.get("GLIBC_TUNABLES")
-                           else "process default (glibc malloc on Linux)") if setup.device.type == "cpu" else None,
-        "model": {"num_layers": m.num_layers, "hidden_size": m.hidden_size, "heads": m.num_attention_heads,
-                  "seq_length": m.seq_length, "padded_vocab_size": setup.padded_vocab},
+        "host_allocator": (
+            f"glibc, GLIBC_TUNABLES={os.environ['GLIBC_TUNABLES']}"
+            if os.environ.get("GLIBC_TUNABLES")
+            else "process default (glibc malloc on Linux)"
+        )
+        if setup.device.type == "cpu"
+        else None,
+        "model": {
+            "num_layers": m.num_layers,
+            "hidden_size": m.hidden_size,
+            "heads": m.num_attention_heads,
+            "seq_length": m.seq_length,
+            "padded_vocab_size": setup.padded_vocab,
+        },
         "micro_batch_size": t.micro_batch_size,
         "global_batch_size": t.global_batch_size,
-        "iters": iters, "warmup": warmup, "repeats": repeats,
+        "iters": iters,
+        "warmup": warmup,
+        "repeats": repeats,
         "roofline": gemms,
         "gemm_check": gemm_check,  # whether the dtype's matmuls run at hardware speed here (check_gemm_dtype)
         "paired": paired,
         "fraction_of_gemm": fraction,
         "ours_profile": profile,
         "ours_step_split": split,  # matmul vs other ms per iteration, from the whole profile (bench.profiling)
-        "regime": {"ours": description["precision_regime"],
-                   "baseline": baseline_regime(setup.precision)},
+        "regime": {"ours": description["precision_regime"], "baseline": baseline_regime(setup.precision)},
         "ours_backends": description["backends"],
         "ours_grad_buffer_mb": description["grad_buffer_mb"],  # the fp32 (or param-dtype) main_grad buffers
         **syncs,  # host_syncs_per_iteration (issue 31: at most 2) and where they happen, or null with the reason
@@ -553,26 +684,30 @@ def _run(setup, recipe, overrides, iters, warmup, repeats, baseline, write, echo
         ratio, bound = paired["ratio_quartiles"][1], paired["ratio_bound_quartiles"][1]
         best_runs = best["ours"]["tokens_per_s"] / best["baseline"]["tokens_per_s"]
         target = TARGET_RATIO[setup.device.type]
-        result.update({
-            "baseline_name": "transformers GPT2LMHeadModel (sdpa) + torch.optim.AdamW",
-            "same_work_check": check,
-            "baseline": best["baseline"],
-            "baseline_tokens_per_s": best["baseline"]["tokens_per_s"],
-            "baseline_all_tokens_per_s": [r["tokens_per_s"] for r in runs["baseline"]],
-            "ratio": ratio,  # median of the paired rounds' ratios (see paired_rounds)
-            "ratio_best_runs": best_runs,
-            # The target is judged on the lower of the two: with glibc's default malloc, transformers' step
-            # runs slower with our model alive in the process (1290-1730 ms against 1213-1265 alone, bf16
-            # 12x768), which the paired rounds count against it; each side's own best run does not.
-            "ratio_conservative": min(ratio, best_runs),
-            "ratio_bound": bound,
-            "target_ratio": target,
-            # Not judged where the GEMMs are emulated: the figures describe the fallback, not the step.
-            "meets_target": min(ratio, best_runs) >= target if gemm_check["native"] else None,
-        })
-        echo(f"ours / transformers: {ratio:.2f}x, median of {rounds} paired rounds; {best_runs:.2f}x, best runs "
-             f"(target {target}x on the lower; at most {bound:.2f}x here: "
-             "the baseline's step time over its GEMMs' time)")
+        result.update(
+            {
+                "baseline_name": "transformers GPT2LMHeadModel (sdpa) + torch.optim.AdamW",
+                "same_work_check": check,
+                "baseline": best["baseline"],
+                "baseline_tokens_per_s": best["baseline"]["tokens_per_s"],
+                "baseline_all_tokens_per_s": [r["tokens_per_s"] for r in runs["baseline"]],
+                "ratio": ratio,  # median of the paired rounds' ratios (see paired_rounds)
+                "ratio_best_runs": best_runs,
+                # The target is judged on the lower of the two: with glibc's default malloc, transformers' step
+                # runs slower with our model alive in the process (1290-1730 ms against 1213-1265 alone, bf16
+                # 12x768), which the paired rounds count against it; each side's own best run does not.
+                "ratio_conservative": min(ratio, best_runs),
+                "ratio_bound": bound,
+                "target_ratio": target,
+                # Not judged where the GEMMs are emulated: the figures describe the fallback, not the step.
+                "meets_target": min(ratio, best_runs) >= target if gemm_check["native"] else None,
+            }
+        )
+        echo(
+            f"ours / transformers: {ratio:.2f}x, median of {rounds} paired rounds; {best_runs:.2f}x, best runs "
+            f"(target {target}x on the lower; at most {bound:.2f}x here: "
+            "the baseline's step time over its GEMMs' time)"
+        )
     if write:
         result["results_file"] = str(write_results(result, results_dir))
     return result
@@ -598,8 +733,11 @@ def write_chart(result: dict, path: Path) -> Path:
     for bar, value in zip(bars, values):
         ax.text(bar.get_x() + bar.get_width() / 2, value, f"{value:,.0f}", ha="center", va="bottom")
     ax.set_ylabel("tokens / s")
-    ax.set_title(f"{result['recipe']} [{result['recipe_hash']}] on {result['device']}, {result['precision']}: "
-                 f"{result['ratio']:.2f}x", fontsize=9)
+    ax.set_title(
+        f"{result['recipe']} [{result['recipe_hash']}] on {result['device']}, {result['precision']}: "
+        f"{result['ratio']:.2f}x",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -614,17 +752,36 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=10,
-                        help="paired rounds (two steps of each side and one GEMM pass) behind the ratios")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=10,
+        help="paired rounds (two steps of each side and one GEMM pass) behind the ratios",
+    )
     parser.add_argument("--baseline", choices=["hf"])
     parser.add_argument("--results-dir", default=str(RESULTS), help="where the JSON and chart go")
-    parser.add_argument("--allow-emulated-gemm", action="store_true",
-                        help="time bf16 even where its matmuls are emulated (no target is judged then)")
+    parser.add_argument(
+        "--allow-emulated-gemm",
+        action="store_true",
+        help="time bf16 even where its matmuls are emulated (no target is judged then)",
+    )
     parser.add_argument("--profile-steps", type=int, default=3, help="steps of torch.profiler's per-op table (0: none)")
     args = parser.parse_args(argv)
-    return finish(lambda: run(args.recipe, args.overrides, args.workdir, args.iters, args.warmup, args.repeats,
-                              args.baseline, results_dir=Path(args.results_dir), profile_steps=args.profile_steps,
-                              rounds=args.rounds, allow_emulated_gemm=args.allow_emulated_gemm))
+    return finish(
+        lambda: run(
+            args.recipe,
+            args.overrides,
+            args.workdir,
+            args.iters,
+            args.warmup,
+            args.repeats,
+            args.baseline,
+            results_dir=Path(args.results_dir),
+            profile_steps=args.profile_steps,
+            rounds=args.rounds,
+            allow_emulated_gemm=args.allow_emulated_gemm,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -54,8 +54,10 @@ def read_metrics(path: str | os.PathLike) -> Values:
     (split, iteration), as after a resumed run."""
     path = Path(path)
     if not path.is_file():
-        raise GoldenError(f"no metrics file at {path}; run the recipe first (invoke train --recipe ...) "
-                          "or pass --metrics <run dir>/metrics.jsonl")
+        raise GoldenError(
+            f"no metrics file at {path}; run the recipe first (invoke train --recipe ...) "
+            "or pass --metrics <run dir>/metrics.jsonl"
+        )
     values: Values = {}
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
@@ -72,8 +74,9 @@ def read_metrics(path: str | os.PathLike) -> Values:
         loss = record[METRIC]
         values.setdefault(split, {})[int(record["iteration"])] = float("nan") if loss is None else float(loss)
     if not values.get("train"):
-        raise GoldenError(f"{path} has no train records with {METRIC}; did the run log anything "
-                          "(log_interval <= train_iters)?")
+        raise GoldenError(
+            f"{path} has no train records with {METRIC}; did the run log anything (log_interval <= train_iters)?"
+        )
     return values
 
 
@@ -91,11 +94,13 @@ class Golden:
             "recipe": self.recipe,
             "recipe_hash": self.recipe_hash,
             "metric": METRIC,
-            "tolerance": {"rtol": self.rtol, "atol": self.atol,
-                          "rule": "|actual - golden| <= atol + rtol * |golden|"},
+            "tolerance": {"rtol": self.rtol, "atol": self.atol, "rule": "|actual - golden| <= atol + rtol * |golden|"},
             "environment": self.environment,
-            **{split: {str(it): v for it, v in sorted(self.values[split].items())}
-               for split in SPLITS if split in self.values},
+            **{
+                split: {str(it): v for it, v in sorted(self.values[split].items())}
+                for split in SPLITS
+                if split in self.values
+            },
         }
 
     @classmethod
@@ -103,12 +108,19 @@ class Golden:
         try:
             values = {split: {int(it): float(v) for it, v in data[split].items()} for split in SPLITS if split in data}
             tolerance = data["tolerance"]
-            return cls(recipe=data["recipe"], recipe_hash=data.get("recipe_hash"), values=values,
-                       rtol=float(tolerance["rtol"]), atol=float(tolerance["atol"]),
-                       environment=data.get("environment", {}))
+            return cls(
+                recipe=data["recipe"],
+                recipe_hash=data.get("recipe_hash"),
+                values=values,
+                rtol=float(tolerance["rtol"]),
+                atol=float(tolerance["atol"]),
+                environment=data.get("environment", {}),
+            )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise GoldenError(f"{where} is not a golden file ({type(exc).__name__}: {exc}); regenerate it with "
-                              "`python -m ci.golden update`") from None
+            raise GoldenError(
+                f"{where} is not a golden file ({type(exc).__name__}: {exc}); regenerate it with "
+                "`python -m ci.golden update`"
+            ) from None
 
 
 def golden_path(recipe: str, golden_dir: str | os.PathLike = GOLDEN_DIR) -> Path:
@@ -119,8 +131,10 @@ def load_golden(recipe: str, golden_dir: str | os.PathLike = GOLDEN_DIR) -> Gold
     path = golden_path(recipe, golden_dir)
     if not path.is_file():
         known = ", ".join(golden_recipes(golden_dir)) or "none"
-        raise GoldenError(f"no golden file {path} (golden recipes: {known}); create it with "
-                          f"`python -m ci.golden update --recipe {recipe}`")
+        raise GoldenError(
+            f"no golden file {path} (golden recipes: {known}); create it with "
+            f"`python -m ci.golden update --recipe {recipe}`"
+        )
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
@@ -146,8 +160,13 @@ def environment() -> dict:
     """Where a golden run was made: worth knowing when a value drifts on another machine."""
     import torch
 
-    return {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
-            "processor": platform.processor() or "unknown", "threads": torch.get_num_threads()}
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "processor": platform.processor() or "unknown",
+        "threads": torch.get_num_threads(),
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -199,16 +218,26 @@ class Comparison:
 
         header = ("split", "iteration", "golden", "actual", "abs diff", "rel diff", "status")
         lines = [header] + [
-            (row.split, str(row.iteration), fmt(row.golden, ".6f"), fmt(row.actual, ".6f"),
-             fmt(row.abs_diff, ".2e"), fmt(row.rel_diff, ".2e"), row.status)
-            for row in self.rows if not only_failures or row.status != "ok"
+            (
+                row.split,
+                str(row.iteration),
+                fmt(row.golden, ".6f"),
+                fmt(row.actual, ".6f"),
+                fmt(row.abs_diff, ".2e"),
+                fmt(row.rel_diff, ".2e"),
+                row.status,
+            )
+            for row in self.rows
+            if not only_failures or row.status != "ok"
         ]
         widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
         return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)
 
     def summary(self) -> str:
-        counted = f"{len(self.rows) - len(self.failures)}/{len(self.rows)} values within rtol={self.rtol:g} " \
-                  f"atol={self.atol:g}"
+        counted = (
+            f"{len(self.rows) - len(self.failures)}/{len(self.rows)} values within rtol={self.rtol:g} "
+            f"atol={self.atol:g}"
+        )
         text = f"golden {self.recipe}: {counted}"
         return text + (f"; {self.hash_note}" if self.hash_note else "")
 
@@ -217,8 +246,9 @@ def within(actual: float, golden: float, rtol: float, atol: float) -> bool:
     return math.isfinite(actual) and abs(actual - golden) <= atol + rtol * abs(golden)
 
 
-def compare(golden: Golden, values: Values, rtol: float | None = None, atol: float | None = None,
-            recipe_hash: str | None = None) -> Comparison:
+def compare(
+    golden: Golden, values: Values, rtol: float | None = None, atol: float | None = None, recipe_hash: str | None = None
+) -> Comparison:
     """Every golden value against the run's, plus the run's values the golden does not have."""
     rtol = golden.rtol if rtol is None else rtol
     atol = golden.atol if atol is None else atol
@@ -236,29 +266,47 @@ def compare(golden: Golden, values: Values, rtol: float | None = None, atol: flo
             rows.append(Row(split, iteration, g, a, status))
     note = ""
     if recipe_hash and golden.recipe_hash and recipe_hash != golden.recipe_hash:
-        note = (f"the recipe changed since the golden was made (hash {recipe_hash}, golden {golden.recipe_hash}); "
-                f"if the change is intended, regenerate with `python -m ci.golden update --recipe {golden.recipe}`")
+        note = (
+            f"the recipe changed since the golden was made (hash {recipe_hash}, golden {golden.recipe_hash}); "
+            f"if the change is intended, regenerate with `python -m ci.golden update --recipe {golden.recipe}`"
+        )
     return Comparison(golden.recipe, tuple(rows), rtol, atol, note)
 
 
-def check(recipe: str, metrics: str | os.PathLike, golden_dir: str | os.PathLike = GOLDEN_DIR,
-          rtol: float | None = None, atol: float | None = None, recipe_hash: str | None = None) -> Comparison:
+def check(
+    recipe: str,
+    metrics: str | os.PathLike,
+    golden_dir: str | os.PathLike = GOLDEN_DIR,
+    rtol: float | None = None,
+    atol: float | None = None,
+    recipe_hash: str | None = None,
+) -> Comparison:
     """Compare a run with its golden file; raises GoldenError with the diff table when they disagree."""
     comparison = compare(load_golden(recipe, golden_dir), read_metrics(metrics), rtol, atol, recipe_hash)
     if not comparison.ok:
-        raise GoldenError(f"{comparison.summary()}; the run's metrics: {metrics}\n{comparison.table()}\n"
-                          f"if the change is intended, regenerate with `python -m ci.golden update --recipe {recipe}`")
+        raise GoldenError(
+            f"{comparison.summary()}; the run's metrics: {metrics}\n{comparison.table()}\n"
+            f"if the change is intended, regenerate with `python -m ci.golden update --recipe {recipe}`"
+        )
     return comparison
 
 
-def update(recipe: str, metrics: str | os.PathLike, golden_dir: str | os.PathLike = GOLDEN_DIR,
-           recipe_hash: str | None = None, rtol: float = DEFAULT_RTOL, atol: float = DEFAULT_ATOL) -> Path:
+def update(
+    recipe: str,
+    metrics: str | os.PathLike,
+    golden_dir: str | os.PathLike = GOLDEN_DIR,
+    recipe_hash: str | None = None,
+    rtol: float = DEFAULT_RTOL,
+    atol: float = DEFAULT_ATOL,
+) -> Path:
     """Rewrite ci/golden/<recipe>.json from a run; refuses a run with a non-finite loss."""
     values = read_metrics(metrics)
     bad = [(split, it) for split, by_it in values.items() for it, v in by_it.items() if not math.isfinite(v)]
     if bad:
-        raise GoldenError(f"{metrics} has non-finite {METRIC} at {bad[:5]}; a golden file must come from a "
-                          "healthy run: fix the run first")
+        raise GoldenError(
+            f"{metrics} has non-finite {METRIC} at {bad[:5]}; a golden file must come from a "
+            "healthy run: fix the run first"
+        )
     return write_golden(Golden(recipe, recipe_hash, values, rtol, atol, environment()), golden_dir)
 
 
@@ -273,8 +321,12 @@ def sanity(metrics: str | os.PathLike) -> str:
     train_records = [r for r in records if r.get("type") == "train"]
     flagged = [r["iteration"] for r in train_records if r.get("nan")]
     all_skipped = {r["iteration"] for r in train_records if r.get(METRIC) is None and r.get("skipped")}
-    bad = [(s, it) for s, by_it in values.items() for it, v in by_it.items()
-           if not math.isfinite(v) and not (s == "train" and it in all_skipped)]
+    bad = [
+        (s, it)
+        for s, by_it in values.items()
+        for it, v in by_it.items()
+        if not math.isfinite(v) and not (s == "train" and it in all_skipped)
+    ]
     train = [v for it, v in sorted(values["train"].items()) if it not in all_skipped]
     skipped = sum(int(r.get("skipped") or 0) for r in train_records)
     problems = []
@@ -305,15 +357,29 @@ def run_metrics(recipe: str, workdir: str | os.PathLike, overrides=()) -> tuple[
     return workflow.run_dir(resolved, workdir) / "metrics.jsonl", losses_hash(resolved.to_dict())
 
 
-def run(recipe: str, workdir: str | os.PathLike = "./work", update_golden: bool = False, metrics=None,
-        overrides=(), golden_dir: str | os.PathLike = GOLDEN_DIR, rtol: float | None = None,
-        atol: float | None = None, echo=print) -> Comparison | Path:
+def run(
+    recipe: str,
+    workdir: str | os.PathLike = "./work",
+    update_golden: bool = False,
+    metrics=None,
+    overrides=(),
+    golden_dir: str | os.PathLike = GOLDEN_DIR,
+    rtol: float | None = None,
+    atol: float | None = None,
+    echo=print,
+) -> Comparison | Path:
     """Check (or with update_golden, regenerate) one recipe's golden file from its run in `workdir`."""
     path, recipe_hash = run_metrics(recipe, workdir, overrides)
     path = Path(metrics) if metrics else path
     if update_golden:
-        written = update(recipe, path, golden_dir, recipe_hash, DEFAULT_RTOL if rtol is None else rtol,
-                         DEFAULT_ATOL if atol is None else atol)
+        written = update(
+            recipe,
+            path,
+            golden_dir,
+            recipe_hash,
+            DEFAULT_RTOL if rtol is None else rtol,
+            DEFAULT_ATOL if atol is None else atol,
+        )
         echo(f"wrote {written} from {path}")
         return written
     comparison = check(recipe, path, golden_dir, rtol, atol, recipe_hash)
@@ -341,8 +407,16 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if not args.recipe:
             raise GoldenError(f"{args.action} needs --recipe (golden recipes: {', '.join(golden_recipes())})")
-        run(args.recipe, args.workdir, args.action == "update", args.metrics, args.overrides, args.golden_dir,
-            args.rtol, args.atol)
+        run(
+            args.recipe,
+            args.workdir,
+            args.action == "update",
+            args.metrics,
+            args.overrides,
+            args.golden_dir,
+            args.rtol,
+            args.atol,
+        )
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -33,33 +33,50 @@ def check_hf_model(hf_dir: str | Path, expect: dict | None = None) -> dict:
     if not (hf_dir / "config.json").is_file():
         raise UserError(f"{hf_dir} has no config.json; convert the run first (invoke convert --recipe ...)")
     cfg = AutoConfig.from_pretrained(hf_dir)
-    wrong = {key: (getattr(cfg, key, None), value) for key, value in (expect or {}).items()
-             if getattr(cfg, key, None) != value}
+    wrong = {
+        key: (getattr(cfg, key, None), value)
+        for key, value in (expect or {}).items()
+        if getattr(cfg, key, None) != value
+    }
     if wrong:
-        raise UserError(f"{hf_dir}/config.json does not match the recipe: "
-                        + ", ".join(f"{k}={got} (recipe: {want})" for k, (got, want) in wrong.items()))
+        raise UserError(
+            f"{hf_dir}/config.json does not match the recipe: "
+            + ", ".join(f"{k}={got} (recipe: {want})" for k, (got, want) in wrong.items())
+        )
     model = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     has_tokenizer = (hf_dir / "tokenizer.json").is_file() or (hf_dir / "vocab.json").is_file()
     tokenizer = AutoTokenizer.from_pretrained(hf_dir) if has_tokenizer else None
-    ids = (tokenizer(PROMPT, return_tensors="pt").input_ids if tokenizer
-           else torch.arange(8).unsqueeze(0) % cfg.vocab_size)
+    ids = (
+        tokenizer(PROMPT, return_tensors="pt").input_ids if tokenizer else torch.arange(8).unsqueeze(0) % cfg.vocab_size
+    )
     with torch.no_grad():
         loss = float(model(ids, labels=ids).loss)
-        generated = model.generate(ids, max_new_tokens=8, do_sample=False,
-                                   pad_token_id=getattr(cfg, "eos_token_id", None) or 0)
+        generated = model.generate(
+            ids, max_new_tokens=8, do_sample=False, pad_token_id=getattr(cfg, "eos_token_id", None) or 0
+        )
     if not math.isfinite(loss):
         raise UserError(f"the model in {hf_dir} computes a non-finite loss ({loss}); the conversion is broken")
-    new = generated[0, ids.shape[1]:].tolist()
-    return {"hf_dir": str(hf_dir), "model_type": cfg.model_type, "loss": loss, "generated_ids": new,
-            "generated_text": tokenizer.decode(new) if tokenizer else None}
+    new = generated[0, ids.shape[1] :].tolist()
+    return {
+        "hf_dir": str(hf_dir),
+        "model_type": cfg.model_type,
+        "loss": loss,
+        "generated_ids": new,
+        "generated_text": tokenizer.decode(new) if tokenizer else None,
+    }
 
 
 def recipe_expectations(recipe: str, overrides=()) -> dict:
     from megatron_core import config
 
     m = config.load_recipe(recipe, list(overrides)).model
-    return {"model_type": "gpt2", "n_layer": m.num_layers, "n_embd": m.hidden_size, "n_head": m.num_attention_heads,
-            "n_positions": m.max_position_embeddings}
+    return {
+        "model_type": "gpt2",
+        "n_layer": m.num_layers,
+        "n_embd": m.hidden_size,
+        "n_head": m.num_attention_heads,
+        "n_positions": m.max_position_embeddings,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,9 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"hf load ok: {result['hf_dir']} ({result['model_type']}), loss {result['loss']:.4f}, "
-          f"greedy continuation {result['generated_text']!r}" if result["generated_text"] is not None
-          else f"hf load ok: {result['hf_dir']}, loss {result['loss']:.4f}, generated ids {result['generated_ids']}")
+    print(
+        f"hf load ok: {result['hf_dir']} ({result['model_type']}), loss {result['loss']:.4f}, "
+        f"greedy continuation {result['generated_text']!r}"
+        if result["generated_text"] is not None
+        else f"hf load ok: {result['hf_dir']}, loss {result['loss']:.4f}, generated ids {result['generated_ids']}"
+    )
     return 0
 
 

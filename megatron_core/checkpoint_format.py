@@ -75,14 +75,14 @@ def nest_model_state(flat: dict[str, torch.Tensor]) -> dict:
     nested: dict[str, Any] = {"language_model": lm}
     for key, value in flat.items():
         if key.startswith(_EMBEDDING_PREFIX):
-            module, _, leaf = key[len(_EMBEDDING_PREFIX):].partition(".")
+            module, _, leaf = key[len(_EMBEDDING_PREFIX) :].partition(".")
             lm.setdefault("embedding", {}).setdefault(module, {})[leaf] = value
         elif key.startswith(_ENCODER_PREFIX):
-            lm.setdefault("encoder", {})[key[len(_ENCODER_PREFIX):]] = value
+            lm.setdefault("encoder", {})[key[len(_ENCODER_PREFIX) :]] = value
         elif key.startswith(_OUTPUT_LAYER_PREFIX):
-            lm.setdefault("output_layer", {})[key[len(_OUTPUT_LAYER_PREFIX):]] = value
+            lm.setdefault("output_layer", {})[key[len(_OUTPUT_LAYER_PREFIX) :]] = value
         elif key.startswith(_HEAD_PREFIX):
-            nested.setdefault("word_embeddings_for_head", {})[key[len(_HEAD_PREFIX):]] = value
+            nested.setdefault("word_embeddings_for_head", {})[key[len(_HEAD_PREFIX) :]] = value
         else:
             raise ValueError(f"model parameter {key!r} has no place in Megatron's checkpoint layout")
     return nested
@@ -103,8 +103,9 @@ def flatten_model_state(nested: dict) -> dict[str, torch.Tensor]:
         flat[_HEAD_PREFIX + key] = value
     unknown = set(lm) - {"embedding", "encoder", "output_layer"}
     if unknown or set(nested) - {"language_model", "word_embeddings_for_head"}:
-        raise CheckpointError(f"checkpoint model dict has unexpected entries {sorted(unknown)}; "
-                              "is it a Megatron GPT checkpoint?")
+        raise CheckpointError(
+            f"checkpoint model dict has unexpected entries {sorted(unknown)}; is it a Megatron GPT checkpoint?"
+        )
     return flat
 
 
@@ -130,8 +131,9 @@ def model_chunks(checkpoint: dict, where="checkpoint") -> list[dict]:
         return [checkpoint["model"]]
     found = sorted(int(m[1]) for m in map(_MODEL_CHUNK_KEY.match, checkpoint) if m)
     if not found:
-        raise CheckpointError(f"{where} holds no 'model' (or 'model0', 'model1', ...) entry; "
-                              "it is not a model checkpoint")
+        raise CheckpointError(
+            f"{where} holds no 'model' (or 'model0', 'model1', ...) entry; it is not a model checkpoint"
+        )
     if found != list(range(len(found))):
         raise CheckpointError(f"{where} holds model chunks {['model%d' % i for i in found]}; chunks are missing")
     return [checkpoint[f"model{i}"] for i in found]
@@ -170,9 +172,11 @@ def sharding_of(sharding: ShardingMap, name: str) -> TensorSharding:
     """The declared sharding of checkpoint tensor `name`; a name the model does not have is refused."""
     found = sharding.get(layer_generic_name(name))
     if found is None:
-        raise CheckpointError(f"the checkpoint holds {name!r}, which this GPT model does not have (its parameters: "
-                              f"{', '.join(sorted(sharding))}); only checkpoints of this project's GPT (Megatron's "
-                              "GPT layout) merge or split")
+        raise CheckpointError(
+            f"the checkpoint holds {name!r}, which this GPT model does not have (its parameters: "
+            f"{', '.join(sorted(sharding))}); only checkpoints of this project's GPT (Megatron's "
+            "GPT layout) merge or split"
+        )
     return found
 
 
@@ -187,17 +191,21 @@ def merge_rank_states(stage_states: dict, tp: int, pp: int, sharding: ShardingMa
         for t, names_t in enumerate(per_rank):
             if set(names_t) != set(names):
                 diff = sorted(set(names) ^ set(names_t))[:4]
-                raise CheckpointError(f"TP rank {t} of stage {stage} holds different weights than rank 0 ({diff}); "
-                                      "shards from different models are mixed")
+                raise CheckpointError(
+                    f"TP rank {t} of stage {stage} holds different weights than rank 0 ({diff}); "
+                    "shards from different models are mixed"
+                )
         for name in names:
             parts = [r[name] for r in per_rank]
             dim = sharding_of(sharding, name).partition_dim
             if dim is None:
                 full = parts[0]
                 if any(not torch.equal(full, p) for p in parts[1:]):
-                    raise CheckpointError(f"stage {stage}: the TP ranks hold different copies of the replicated "
-                                          f"{name}; shards from different runs or iterations are mixed: copy one "
-                                          "checkpoint's shards")
+                    raise CheckpointError(
+                        f"stage {stage}: the TP ranks hold different copies of the replicated "
+                        f"{name}; shards from different runs or iterations are mixed: copy one "
+                        "checkpoint's shards"
+                    )
             else:
                 full = torch.cat(parts, dim=dim) if tp > 1 else parts[0]
             match = LAYER_KEY.match(name)
@@ -209,8 +217,9 @@ def merge_rank_states(stage_states: dict, tp: int, pp: int, sharding: ShardingMa
     return merged
 
 
-def split_rank_state(state: dict, tp: int, pp: int, tp_rank: int, pp_rank: int, *, num_layers: int,
-                     tied: bool, sharding: ShardingMap) -> dict[str, torch.Tensor]:
+def split_rank_state(
+    state: dict, tp: int, pp: int, tp_rank: int, pp_rank: int, *, num_layers: int, tied: bool, sharding: ShardingMap
+) -> dict[str, torch.Tensor]:
     """The full state -> one rank's flat state (the inverse of merge_rank_states for that rank)."""
     per_stage = num_layers // pp
     first, last = pp_rank == 0, pp_rank == pp - 1
@@ -236,6 +245,7 @@ def split_rank_state(state: dict, tp: int, pp: int, tp_rank: int, pp_rank: int, 
 # pipeline position c x PP + r of PP x chunks positions in model order (parallel_state.stage_layers),
 # so the rules above serve it unchanged, one position per (PP rank, chunk).
 
+
 def merge_chunked_states(rank_chunks: dict, tp: int, pp: int, sharding: ShardingMap) -> dict[str, torch.Tensor]:
     """{(tp rank, pp rank): [flat state of chunk 0, chunk 1, ...]} -> the full state."""
     chunks = len(next(iter(rank_chunks.values())))
@@ -243,12 +253,25 @@ def merge_chunked_states(rank_chunks: dict, tp: int, pp: int, sharding: Sharding
     return merge_rank_states(positions, tp, pp * chunks, sharding)
 
 
-def split_chunked_state(state: dict, tp: int, pp: int, tp_rank: int, pp_rank: int, chunks: int, *,
-                        num_layers: int, tied: bool, sharding: ShardingMap) -> list[dict[str, torch.Tensor]]:
+def split_chunked_state(
+    state: dict,
+    tp: int,
+    pp: int,
+    tp_rank: int,
+    pp_rank: int,
+    chunks: int,
+    *,
+    num_layers: int,
+    tied: bool,
+    sharding: ShardingMap,
+) -> list[dict[str, torch.Tensor]]:
     """The full state -> one rank's flat states, one per model chunk (the inverse of merge_chunked_states)."""
-    return [split_rank_state(state, tp, pp * chunks, tp_rank, c * pp + pp_rank, num_layers=num_layers, tied=tied,
-                             sharding=sharding)
-            for c in range(chunks)]
+    return [
+        split_rank_state(
+            state, tp, pp * chunks, tp_rank, c * pp + pp_rank, num_layers=num_layers, tied=tied, sharding=sharding
+        )
+        for c in range(chunks)
+    ]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -282,8 +305,9 @@ def find_rank_files(iter_dir: Path) -> dict[tuple[int, int], Path]:
         if ranks is None:
             continue
         if not (child / MODEL_FILENAME).exists():
-            raise CheckpointError(f"shard {child} has no {MODEL_FILENAME}; the checkpoint is incomplete "
-                                  "(re-save or copy it again)")
+            raise CheckpointError(
+                f"shard {child} has no {MODEL_FILENAME}; the checkpoint is incomplete (re-save or copy it again)"
+            )
         files[ranks] = child / MODEL_FILENAME
     if not files:
         raise CheckpointError(f"{iter_dir} holds no mp_rank_* shard folders; it is not a Megatron checkpoint")
@@ -295,11 +319,14 @@ def check_rank_files(iter_dir: Path, found, tp: int, pp: int) -> None:
     expected = {(t, p) for t in range(tp) for p in range(pp)}
     missing, extra = sorted(expected - set(found)), sorted(set(found) - expected)
     if missing:
-        raise CheckpointError(f"{iter_dir}: missing shard(s) {missing} (tp, pp) for TP {tp} x PP {pp}; copy the "
-                              "whole iteration folder")
+        raise CheckpointError(
+            f"{iter_dir}: missing shard(s) {missing} (tp, pp) for TP {tp} x PP {pp}; copy the whole iteration folder"
+        )
     if extra:
-        raise CheckpointError(f"{iter_dir}: extra shard(s) {extra} (tp, pp) beyond TP {tp} x PP {pp} of the args; "
-                              "shards of another layout are mixed in: remove them")
+        raise CheckpointError(
+            f"{iter_dir}: extra shard(s) {extra} (tp, pp) beyond TP {tp} x PP {pp} of the args; "
+            "shards of another layout are mixed in: remove them"
+        )
 
 
 def distrib_optim_filename(dp_rank: int) -> str:
@@ -326,15 +353,19 @@ def read_tracker(load: Path):
     try:
         text = tracker.read_text(encoding="utf-8").strip()
     except UnicodeDecodeError:
-        raise CheckpointError(f"{tracker} holds bytes that are not text, not an iteration number; delete it or "
-                              "point --load at a valid checkpoint directory") from None
+        raise CheckpointError(
+            f"{tracker} holds bytes that are not text, not an iteration number; delete it or "
+            "point --load at a valid checkpoint directory"
+        ) from None
     if text == RELEASE:
         return RELEASE
     try:
         return int(text)
     except ValueError:
-        raise CheckpointError(f"{tracker} holds {text!r}, not an iteration number; delete it or point "
-                              "--load at a valid checkpoint directory") from None
+        raise CheckpointError(
+            f"{tracker} holds {text!r}, not an iteration number; delete it or point "
+            "--load at a valid checkpoint directory"
+        ) from None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -369,8 +400,9 @@ def read_manifest(iter_dir: Path) -> Optional[dict[str, tuple[int, int]]]:
             files = json.loads(path.read_text(encoding="utf-8"))["files"]
             merged.update({name: (int(entry["size"]), int(entry["crc32"], 16)) for name, entry in files.items()})
         except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
-            raise CheckpointError(f"{path} is damaged ({type(exc).__name__}); the checkpoint cannot be "
-                                  "verified") from None
+            raise CheckpointError(
+                f"{path} is damaged ({type(exc).__name__}); the checkpoint cannot be verified"
+            ) from None
     return merged
 
 
@@ -385,9 +417,11 @@ def verify_file(path: Path) -> None:
         return
     size, crc = _crc32_file(path)
     if (size, crc) != expected:
-        raise CheckpointError(f"{path} fails verification ({size} bytes, crc32 {crc:08x}; the manifest says "
-                              f"{expected[0]} bytes, crc32 {expected[1]:08x}): the file is damaged or comes from "
-                              "another save")
+        raise CheckpointError(
+            f"{path} fails verification ({size} bytes, crc32 {crc:08x}; the manifest says "
+            f"{expected[0]} bytes, crc32 {expected[1]:08x}): the file is damaged or comes from "
+            "another save"
+        )
 
 
 def check_complete(iter_dir: Path) -> None:
@@ -400,8 +434,9 @@ def check_complete(iter_dir: Path) -> None:
     for name, (size, _) in manifest.items():
         path = Path(iter_dir) / name
         if not path.is_file() or path.stat().st_size != size:
-            raise CheckpointError(f"{path} is missing or truncated (the manifest says {size} bytes); the "
-                                  "checkpoint is incomplete")
+            raise CheckpointError(
+                f"{path} is missing or truncated (the manifest says {size} bytes); the checkpoint is incomplete"
+            )
 
 
 def load_checkpoint_file(path) -> dict:
@@ -415,8 +450,9 @@ def load_checkpoint_file(path) -> dict:
         try:
             return torch.load(path, map_location="cpu", weights_only=True)
         except Exception as exc:  # noqa: BLE001 - a truncated or foreign file: one message for people
-            raise CheckpointError(f"cannot read checkpoint {path}: {type(exc).__name__}: "
-                                  f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+            raise CheckpointError(
+                f"cannot read checkpoint {path}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            ) from None
 
 
 def _is_disk_full(exc: BaseException) -> bool:
@@ -462,8 +498,9 @@ def write_tokenizer_files(save: Path, vocab_file, merge_file) -> None:
         replace_atomically(target, lambda tmp, source=source: shutil.copyfile(source, tmp))
 
 
-def write_rank_file(save: Path, iteration, tp_rank: int, pp_rank: int, pp_size: int, state: dict,
-                    filename: str = MODEL_FILENAME) -> Path:
+def write_rank_file(
+    save: Path, iteration, tp_rank: int, pp_rank: int, pp_size: int, state: dict, filename: str = MODEL_FILENAME
+) -> Path:
     """One rank's file into the iteration's staging directory (atomic, fsynced), its size and crc32
     beside it for the manifest. A full disk removes the staging directory and says so in one line."""
     staging = staging_dir(Path(save), iteration)
@@ -475,9 +512,11 @@ def write_rank_file(save: Path, iteration, tp_rank: int, pp_rank: int, pp_size: 
         if not _is_disk_full(exc):
             raise
         shutil.rmtree(staging, ignore_errors=True)
-        raise CheckpointError(f"no space left on device while saving iteration {iteration} into {staging} "
-                              "(removed the partial copy; the previous checkpoint is intact): free space, or "
-                              "--save elsewhere") from None
+        raise CheckpointError(
+            f"no space left on device while saving iteration {iteration} into {staging} "
+            "(removed the partial copy; the previous checkpoint is intact): free space, or "
+            "--save elsewhere"
+        ) from None
     return path
 
 
@@ -557,8 +596,9 @@ def prune_iterations(save: Path, iteration: int, keep_last: Optional[int]) -> li
     return removed
 
 
-def publish_iteration(save: Path, iteration, keep_last: Optional[int] = None,
-                      manifest_name: str = MANIFEST_FILENAME) -> Path:
+def publish_iteration(
+    save: Path, iteration, keep_last: Optional[int] = None, manifest_name: str = MANIFEST_FILENAME
+) -> Path:
     """Move the staged iteration into place, then the tracker; then drop all but the newest
     `keep_last` iterations. The tracker never names a directory that is not there: re-saving the
     iteration it names first points it at the previous complete one (docs/checkpoint-format.md).
@@ -576,8 +616,9 @@ def publish_iteration(save: Path, iteration, keep_last: Optional[int] = None,
     return final_dir
 
 
-def write_checkpoint(save, models: dict, args: argparse.Namespace, iteration: Union[int, str],
-                     extra: Optional[dict] = None) -> Path:
+def write_checkpoint(
+    save, models: dict, args: argparse.Namespace, iteration: Union[int, str], extra: Optional[dict] = None
+) -> Path:
     """Write {(tp, pp): nested model dict} from one process as a model-only checkpoint (what
     import-hf and the converters write), through the same staging and publishing as training.
     A list of nested dicts for a rank is its virtual pipeline chunks (model0, model1, ...)."""
@@ -585,7 +626,12 @@ def write_checkpoint(save, models: dict, args: argparse.Namespace, iteration: Un
     pp_size = 1 + max(p for _, p in models)
     shutil.rmtree(staging_dir(save, iteration), ignore_errors=True)
     for (tp_rank, pp_rank), model in sorted(models.items()):
-        payload = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
-                   **model_entries(model if isinstance(model, list) else [model]), **(extra or {})}
+        payload = {
+            "args": args,
+            "checkpoint_version": CHECKPOINT_VERSION,
+            "iteration": iteration,
+            **model_entries(model if isinstance(model, list) else [model]),
+            **(extra or {}),
+        }
         write_rank_file(save, iteration, tp_rank, pp_rank, pp_size, payload)
     return publish_iteration(save, iteration)

@@ -93,8 +93,10 @@ def recipes(_c, show=None):
     unpinned = {}
     files = config.list_recipe_files()
     if not files:  # an install without the checkout's recipes/ (a wheel): say where it looked
-        raise UserError(f"no recipes in {config.recipes_dir()}: point MEGATRON_RECIPES_DIR at a recipes/ directory "
-                        "(or install from a checkout: pip install -e .)")
+        raise UserError(
+            f"no recipes in {config.recipes_dir()}: point MEGATRON_RECIPES_DIR at a recipes/ directory "
+            "(or install from a checkout: pip install -e .)"
+        )
     for path in files:
         r = config.load_recipe(str(path))
         world = r.parallel.world_size
@@ -118,8 +120,10 @@ def recipes(_c, show=None):
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
     for name, revisions in unpinned.items():
-        print(f"unpinned: {name}: {', '.join(revisions)} (a branch or tag can move; the run records the commit "
-              "it resolved in its corpus/tokenizer manifest)")
+        print(
+            f"unpinned: {name}: {', '.join(revisions)} (a branch or tag can move; the run records the commit "
+            "it resolved in its corpus/tokenizer manifest)"
+        )
 
 
 @recipe_task(help={"force": "rebuild even if up to date"})
@@ -134,8 +138,10 @@ def tokenizer(_c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, for
     """Train (or check and take) the recipe's GPT-2 BPE tokenizer: vocab.json + merges.txt."""
     step = workflow.ensure_tokenizer(_load(recipe, set_), workdir, force=force)
     m = step.manifest()
-    print(f"{step.directory}: vocab size {m['vocab_size']}, vocab.json {m['vocab_sha256']}, "
-          f"merges.txt {m['merges_sha256']}")
+    print(
+        f"{step.directory}: vocab size {m['vocab_size']}, vocab.json {m['vocab_sha256']}, "
+        f"merges.txt {m['merges_sha256']}"
+    )
 
 
 @recipe_task(help={"force": "rebuild even if up to date"})
@@ -165,15 +171,37 @@ def _launch_recipe(recipe: str, set_, nproc: int, nnodes: int):
     return r, overrides, nproc or max(1, r.parallel.world_size // max(nnodes, 1))
 
 
-def _train_command(r: config.Recipe, overrides, nproc, nnodes, node_rank, master_addr, master_port,
-                   rdzv_endpoint, load, no_save_optim, workdir, use_torchrun: bool = False,
-                   no_fallback: bool = False, from_scratch: bool = False) -> list[str]:
+def _train_command(
+    r: config.Recipe,
+    overrides,
+    nproc,
+    nnodes,
+    node_rank,
+    master_addr,
+    master_port,
+    rdzv_endpoint,
+    load,
+    no_save_optim,
+    workdir,
+    use_torchrun: bool = False,
+    no_fallback: bool = False,
+    from_scratch: bool = False,
+) -> list[str]:
     from megatron_core.launch import torchrun_command
 
     vocab, merges = workflow.tokenizer_files(r, workdir)
-    extra = ["--workdir", str(workdir), "--run-dir", str(workflow.run_dir(r, workdir)),
-             "--vocab-file", str(vocab), "--merge-file", str(merges),
-             "--data-path", *[str(x) for x in workflow.data_prefixes(r, workdir)]]
+    extra = [
+        "--workdir",
+        str(workdir),
+        "--run-dir",
+        str(workflow.run_dir(r, workdir)),
+        "--vocab-file",
+        str(vocab),
+        "--merge-file",
+        str(merges),
+        "--data-path",
+        *[str(x) for x in workflow.data_prefixes(r, workdir)],
+    ]
     if load:
         extra += ["--load", load]
     if no_save_optim:
@@ -184,9 +212,17 @@ def _train_command(r: config.Recipe, overrides, nproc, nnodes, node_rank, master
         for item in overrides:
             cmd += ["--set", item]
         return cmd + extra
-    return torchrun_command(r.source, overrides, nproc, nnodes=nnodes, node_rank=node_rank,
-                            master_addr=master_addr, master_port=master_port,
-                            rdzv_endpoint=rdzv_endpoint, extra_args=extra)
+    return torchrun_command(
+        r.source,
+        overrides,
+        nproc,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        master_addr=master_addr,
+        master_port=master_port,
+        rdzv_endpoint=rdzv_endpoint,
+        extra_args=extra,
+    )
 
 
 def _check_devices(r: config.Recipe, nproc: int) -> None:
@@ -200,11 +236,15 @@ def _check_devices(r: config.Recipe, nproc: int) -> None:
         return
     gpus = config.visible_gpu_count()
     if gpus == 0:
-        raise UserError("training.device is cuda but this machine has no visible CUDA GPU: train on a CPU with "
-                        "--set device=cpu (or leave device auto), or run on a GPU node")
+        raise UserError(
+            "training.device is cuda but this machine has no visible CUDA GPU: train on a CPU with "
+            "--set device=cpu (or leave device auto), or run on a GPU node"
+        )
     if nproc > gpus and os.environ.get("MEGATRON_DISTRIBUTED_BACKEND") != "gloo":
-        raise UserError(f"--nproc {nproc} processes on this node but it has {gpus} visible GPU(s), and NCCL takes "
-                        f"one rank per GPU: use --nproc {gpus} (with --set world_size or a smaller layout)")
+        raise UserError(
+            f"--nproc {nproc} processes on this node but it has {gpus} visible GPU(s), and NCCL takes "
+            f"one rank per GPU: use --nproc {gpus} (with --set world_size or a smaller layout)"
+        )
 
 
 TRAIN_HELP = {
@@ -223,9 +263,23 @@ TRAIN_HELP = {
 
 
 @recipe_task(help=TRAIN_HELP)
-def train(_c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, nproc=0, nnodes=1, node_rank=0,
-          master_addr="127.0.0.1", master_port=None, rdzv_endpoint=None, load=None, no_save_optim=False,
-          torchrun=False, no_fallback=False, from_scratch=False):
+def train(
+    _c,
+    recipe=DEFAULT_RECIPE,
+    set_=None,
+    workdir=DEFAULT_WORKDIR,
+    nproc=0,
+    nnodes=1,
+    node_rank=0,
+    master_addr="127.0.0.1",
+    master_port=None,
+    rdzv_endpoint=None,
+    load=None,
+    no_save_optim=False,
+    torchrun=False,
+    no_fallback=False,
+    from_scratch=False,
+):
     """Train the recipe (running the missing data steps first); prints the run directory."""
     from megatron_core.launch import run_forwarding_signals
     from megatron_core.pretrain_gpt import check_training_values
@@ -242,8 +296,11 @@ def train(_c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, nproc=0
         _check_load_into(run / "checkpoints", Path(load))
     finished = None if (load or from_scratch) else _finished_run(r, run)
     if finished:  # a no-op: no checkpoint rewritten, no test records appended
-        print(f"train: nothing to do: this run finished all {r.training.train_iters} iterations ({finished}); "
-              "--from-scratch trains it again", flush=True)
+        print(
+            f"train: nothing to do: this run finished all {r.training.train_iters} iterations ({finished}); "
+            "--from-scratch trains it again",
+            flush=True,
+        )
         print(f"run directory: {run}")
         return
     workflow.ensure_training_inputs(r, workdir)
@@ -251,14 +308,30 @@ def train(_c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, nproc=0
         from megatron_core.launch import free_port
 
         master_port = free_port() if nnodes == 1 else 29500
-    cmd = _train_command(r, overrides, nproc, nnodes, node_rank, master_addr, master_port, rdzv_endpoint, load,
-                         no_save_optim, workdir, use_torchrun=torchrun, no_fallback=no_fallback,
-                         from_scratch=from_scratch)
+    cmd = _train_command(
+        r,
+        overrides,
+        nproc,
+        nnodes,
+        node_rank,
+        master_addr,
+        master_port,
+        rdzv_endpoint,
+        load,
+        no_save_optim,
+        workdir,
+        use_torchrun=torchrun,
+        no_fallback=no_fallback,
+        from_scratch=from_scratch,
+    )
     print(f"run directory: {run}", flush=True)
     print("+ " + " ".join(cmd), flush=True)
     t = r.training
-    print(f"train: starting {nproc * nnodes} process(es) for {t.train_iters} iterations; a line every "
-          f"{t.log_interval} iterations (the first after model and data set-up)", flush=True)
+    print(
+        f"train: starting {nproc * nnodes} process(es) for {t.train_iters} iterations; a line every "
+        f"{t.log_interval} iterations (the first after model and data set-up)",
+        flush=True,
+    )
     rc = run_forwarding_signals(cmd)  # Ctrl-C / SIGTERM reach the trainer, which saves before it exits
     if rc != 0:
         raise Exit(f"error: training exited with code {rc}", code=rc)
@@ -269,19 +342,25 @@ def train(_c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, nproc=0
 def _check_load(load: Path) -> None:
     """A --load that holds no checkpoint is a typo or the wrong directory: refuse it rather than train from
     scratch under a name that says otherwise (--from-scratch says it on purpose)."""
-    from megatron_core.checkpoint_format import (RELEASE, TRACKER_FILENAME, iteration_dir, published_iterations,
-                                                 read_tracker_leniently)
+    from megatron_core.checkpoint_format import (
+        RELEASE,
+        TRACKER_FILENAME,
+        iteration_dir,
+        published_iterations,
+        read_tracker_leniently,
+    )
 
     if not load.is_dir():
-        raise UserError(f"--load {load}: no such directory; give the checkpoints/ directory of a run (or add "
-                        "--from-scratch to start from iteration 0)")
+        raise UserError(
+            f"--load {load}: no such directory; give the checkpoints/ directory of a run (or add "
+            "--from-scratch to start from iteration 0)"
+        )
     tracked, _ = read_tracker_leniently(load)
     if tracked is not None or published_iterations(load) or iteration_dir(load, RELEASE).is_dir():
         return
     inner = load / "checkpoints"
     hint = f"; did you mean --load {inner}?" if inner.is_dir() else " (or add --from-scratch to start from iteration 0)"
-    raise UserError(f"--load {load} holds no checkpoint (no {TRACKER_FILENAME}, no iter_* or "
-                    f"release directory){hint}")
+    raise UserError(f"--load {load} holds no checkpoint (no {TRACKER_FILENAME}, no iter_* or release directory){hint}")
 
 
 def _check_load_into(own: Path, load: Path) -> None:
@@ -290,9 +369,11 @@ def _check_load_into(own: Path, load: Path) -> None:
     from megatron_core.checkpoint_format import published_iterations
 
     if own.resolve() != load.resolve() and own.is_dir() and published_iterations(own):
-        raise UserError(f"this recipe's run directory already holds checkpoints ({own}); --load {load} would save "
-                        "another run's iterations beside them: give the run another name (e.g. --set seed=...), "
-                        "or --from-scratch to set the existing ones aside")
+        raise UserError(
+            f"this recipe's run directory already holds checkpoints ({own}); --load {load} would save "
+            "another run's iterations beside them: give the run another name (e.g. --set seed=...), "
+            "or --from-scratch to set the existing ones aside"
+        )
 
 
 def _check_not_past(r: config.Recipe, run: Path) -> None:
@@ -302,9 +383,11 @@ def _check_not_past(r: config.Recipe, run: Path) -> None:
 
     tracked, _ = read_tracker_leniently(run / "checkpoints")
     if isinstance(tracked, int) and tracked > r.training.train_iters:
-        raise UserError(f"this run ({run}) has trained {tracked} iterations, past training.train_iters "
-                        f"{r.training.train_iters}: raise train_iters to extend it, convert it as it is, or add "
-                        "--from-scratch to train it again (its checkpoints are set aside)")
+        raise UserError(
+            f"this run ({run}) has trained {tracked} iterations, past training.train_iters "
+            f"{r.training.train_iters}: raise train_iters to extend it, convert it as it is, or add "
+            "--from-scratch to train it again (its checkpoints are set aside)"
+        )
 
 
 def _finished_run(r: config.Recipe, run: Path):
@@ -326,18 +409,29 @@ def _print_run_outputs(run: Path) -> None:
     """The final losses and where to look after training, one line each (the trainer's summary is one JSON line)."""
     try:
         summary = json.loads((run / "summary.json").read_text())
-        losses = [f"{split} loss {summary[split]['lm_loss']:.4f}" for split in ("valid", "test")
-                  if (summary.get(split) or {}).get("lm_loss") is not None]
+        losses = [
+            f"{split} loss {summary[split]['lm_loss']:.4f}"
+            for split in ("valid", "test")
+            if (summary.get(split) or {}).get("lm_loss") is not None
+        ]
         print(f"train: finished at iteration {summary['iteration']}" + (f": {', '.join(losses)}" if losses else ""))
     except (OSError, ValueError, KeyError, TypeError):
         pass  # a non-writer node has no summary: the paths still help
-    for what, path in (("loss curve", run / "loss_curve.png"), ("TensorBoard", run / "tensorboard"),
-                       ("metrics", run / "metrics.jsonl"), ("checkpoints", run / "checkpoints")):
+    for what, path in (
+        ("loss curve", run / "loss_curve.png"),
+        ("TensorBoard", run / "tensorboard"),
+        ("metrics", run / "metrics.jsonl"),
+        ("checkpoints", run / "checkpoints"),
+    ):
         if path.exists():
             print(f"train: {what}: {path}" + (f" (tensorboard --logdir {path})" if what == "TensorBoard" else ""))
     hf = run / "hf"
-    print(f"train: Hugging Face model: {hf}" if hf.exists() else
-          f"train: Hugging Face model: not yet; `megatron-recipes convert` (the same --recipe/--set) writes it to {hf}")
+    print(
+        f"train: Hugging Face model: {hf}"
+        if hf.exists()
+        else f"train: Hugging Face model: not yet; `megatron-recipes convert` (the same --recipe/--set) writes it "
+        f"to {hf}"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -345,20 +439,34 @@ def _print_run_outputs(run: Path) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-@recipe_task(help={
-    "recipe": "recipe file, name or family (default: with --load the checkpoint's own recipe.yaml, else "
-              "codeparrot-tiny)",
-    "load": "checkpoint directory (default: the recipe run's checkpoints)",
-    "iteration": "N, latest or release",
-    "save": "output Hugging Face directory (default: <run dir>/hf; needed with --load)",
-    "format": "safetensors | bin | both",
-    "dtype": "fp32 | fp16 | bf16",
-    "overwrite": "replace an existing model in --save",
-    "vocab_file": "tokenizer vocab.json (default: the run's, or the one the checkpoint names)",
-    "merge_file": "tokenizer merges.txt (with --vocab-file)",
-})
-def convert(_c, recipe=None, set_=None, workdir=DEFAULT_WORKDIR, load=None, iteration="latest",
-            save=None, format="safetensors", dtype="fp32", overwrite=False, vocab_file=None, merge_file=None):
+@recipe_task(
+    help={
+        "recipe": "recipe file, name or family (default: with --load the checkpoint's own recipe.yaml, else "
+        "codeparrot-tiny)",
+        "load": "checkpoint directory (default: the recipe run's checkpoints)",
+        "iteration": "N, latest or release",
+        "save": "output Hugging Face directory (default: <run dir>/hf; needed with --load)",
+        "format": "safetensors | bin | both",
+        "dtype": "fp32 | fp16 | bf16",
+        "overwrite": "replace an existing model in --save",
+        "vocab_file": "tokenizer vocab.json (default: the run's, or the one the checkpoint names)",
+        "merge_file": "tokenizer merges.txt (with --vocab-file)",
+    }
+)
+def convert(
+    _c,
+    recipe=None,
+    set_=None,
+    workdir=DEFAULT_WORKDIR,
+    load=None,
+    iteration="latest",
+    save=None,
+    format="safetensors",
+    dtype="fp32",
+    overwrite=False,
+    vocab_file=None,
+    merge_file=None,
+):
     """Convert a Megatron-layout checkpoint (any TP/PP) into a transformers GPT2 directory."""
     from megatron_core.convert import convert_checkpoint
 
@@ -369,9 +477,11 @@ def convert(_c, recipe=None, set_=None, workdir=DEFAULT_WORKDIR, load=None, iter
         r = _load(recipe or DEFAULT_RECIPE, set_)
         run = workflow.run_dir(r, workdir)
         if load is None and not (run / "checkpoints").is_dir():  # --save is the output here: name --load
-            raise UserError(f"recipe {r.name} has no trained run in {run}: train it first (`megatron-recipes train "
-                            f"--recipe {r.name}` with the same --workdir and --set values; train_iters and the "
-                            "intervals may differ), or give the checkpoints with --load CKPT_DIR")
+            raise UserError(
+                f"recipe {r.name} has no trained run in {run}: train it first (`megatron-recipes train "
+                f"--recipe {r.name}` with the same --workdir and --set values; train_iters and the "
+                "intervals may differ), or give the checkpoints with --load CKPT_DIR"
+            )
         if load is None and vocab is None:
             vocab, merges = workflow.tokenizer_files(r, workdir)
     else:  # a checkpoint directory is converted as itself: its own recipe, not the default one
@@ -391,11 +501,18 @@ def convert(_c, recipe=None, set_=None, workdir=DEFAULT_WORKDIR, load=None, iter
     print(json.dumps(summary, indent=2, default=str))
 
 
-@task(name="import-hf", help={"model": "transformers GPT2 directory", "save": "checkpoint directory to write",
-                              "tp": "tensor-parallel size", "pp": "pipeline-parallel size",
-                              "vpp_layers": "num_layers_per_virtual_pipeline_stage: write the interleaved "
-                                            "schedule's chunked layout (model0, model1, ...)",
-                              "overwrite": "replace a checkpoint already in --save"})
+@task(
+    name="import-hf",
+    help={
+        "model": "transformers GPT2 directory",
+        "save": "checkpoint directory to write",
+        "tp": "tensor-parallel size",
+        "pp": "pipeline-parallel size",
+        "vpp_layers": "num_layers_per_virtual_pipeline_stage: write the interleaved "
+        "schedule's chunked layout (model0, model1, ...)",
+        "overwrite": "replace a checkpoint already in --save",
+    },
+)
 @people_errors
 def import_hf(_c, model=None, save=None, tp=1, pp=1, vpp_layers=None, overwrite=False):
     """Write a Megatron-layout checkpoint from a transformers GPT2 directory (to continue training)."""
@@ -404,30 +521,54 @@ def import_hf(_c, model=None, save=None, tp=1, pp=1, vpp_layers=None, overwrite=
     if not (model and save):  # flags, not positionals: invoke answers --help only for tasks whose positionals are given
         raise UserError("import-hf needs --model HF_DIR and --save CKPT_DIR")
     vls = int(vpp_layers) if vpp_layers is not None else None
-    print(json.dumps(import_hf_model(model, save, tp=tp, pp=pp, overwrite=overwrite,
-                                     num_layers_per_virtual_pipeline_stage=vls), indent=2, default=str))
+    print(
+        json.dumps(
+            import_hf_model(model, save, tp=tp, pp=pp, overwrite=overwrite, num_layers_per_virtual_pipeline_stage=vls),
+            indent=2,
+            default=str,
+        )
+    )
 
 
-@recipe_task(help={
-    "model": "HF model directory or Megatron checkpoint directory (default: the recipe run's converted model)",
-    "workdir": "where the recipe's data and run are (default ./work, relative to the current directory; with "
-               "--model inside a run directory, that run's workdir)",
-    "recipe": "recipe file, name or family (default: the checkpoint's own recipe.yaml, else codeparrot-tiny)",
-    "humaneval": "also run HumanEval (default: the recipe's evaluate.humaneval)",
-    "allow_code_execution": "REQUIRED to run generated code (sandboxed subprocess per sample)",
-    "num_samples": "HumanEval samples per problem (default: the recipe's)",
-    "temperature": "HumanEval sampling temperature", "top_p": "HumanEval nucleus top-p",
-    "max_new_tokens": "HumanEval tokens per completion", "problems": "only the first N HumanEval problems",
-    "device": "auto | cpu | cuda | cuda:N | cuda:all (default: a GPU when there is one)",
-    "dtype": "auto | fp32 | fp16 | bf16 (default: the recipe's precision on a GPU, fp32 on a CPU)",
-    "generation_batch": "HumanEval rows per generation batch (default: what GPU memory holds; 16 on a CPU)",
-    "workers": "sandboxed samples run at once (default: the CPU count)",
-    "unsafe_weak_isolation": "where namespaces are unavailable, run samples with rlimits only (see README)",
-})
-def evaluate(_c, recipe=None, set_=None, workdir=DEFAULT_WORKDIR, model=None, humaneval=False,
-             allow_code_execution=False, num_samples=None, temperature=None, top_p=None, max_new_tokens=None,
-             problems=None, device="auto", dtype="auto", generation_batch=None, workers=None,
-             unsafe_weak_isolation=False):
+@recipe_task(
+    help={
+        "model": "HF model directory or Megatron checkpoint directory (default: the recipe run's converted model)",
+        "workdir": "where the recipe's data and run are (default ./work, relative to the current directory; with "
+        "--model inside a run directory, that run's workdir)",
+        "recipe": "recipe file, name or family (default: the checkpoint's own recipe.yaml, else codeparrot-tiny)",
+        "humaneval": "also run HumanEval (default: the recipe's evaluate.humaneval)",
+        "allow_code_execution": "REQUIRED to run generated code (sandboxed subprocess per sample)",
+        "num_samples": "HumanEval samples per problem (default: the recipe's)",
+        "temperature": "HumanEval sampling temperature",
+        "top_p": "HumanEval nucleus top-p",
+        "max_new_tokens": "HumanEval tokens per completion",
+        "problems": "only the first N HumanEval problems",
+        "device": "auto | cpu | cuda | cuda:N | cuda:all (default: a GPU when there is one)",
+        "dtype": "auto | fp32 | fp16 | bf16 (default: the recipe's precision on a GPU, fp32 on a CPU)",
+        "generation_batch": "HumanEval rows per generation batch (default: what GPU memory holds; 16 on a CPU)",
+        "workers": "sandboxed samples run at once (default: the CPU count)",
+        "unsafe_weak_isolation": "where namespaces are unavailable, run samples with rlimits only (see README)",
+    }
+)
+def evaluate(
+    _c,
+    recipe=None,
+    set_=None,
+    workdir=DEFAULT_WORKDIR,
+    model=None,
+    humaneval=False,
+    allow_code_execution=False,
+    num_samples=None,
+    temperature=None,
+    top_p=None,
+    max_new_tokens=None,
+    problems=None,
+    device="auto",
+    dtype="auto",
+    generation_batch=None,
+    workers=None,
+    unsafe_weak_isolation=False,
+):
     """Perplexity on the valid/test splits, and HumanEval pass@k when asked."""
     from megatron_core.checkpoint_format import RECIPE_FILENAME
     from megatron_core.evaluate import evaluate as run_evaluate
@@ -438,13 +579,24 @@ def evaluate(_c, recipe=None, set_=None, workdir=DEFAULT_WORKDIR, model=None, hu
         workdir = _model_workdir(Path(model), r) or workdir
     run = workflow.run_dir(r, workdir)
     target = Path(model) if model else run / "hf"
-    results = run_evaluate(r, str(target), workdir=workdir, out_dir=str(_evaluation_dir(target, run, workdir)),
-                           humaneval=humaneval or None, allow_code_execution=allow_code_execution,
-                           num_samples=_number(num_samples, int), temperature=_number(temperature, float),
-                           top_p=_number(top_p, float), max_new_tokens=_number(max_new_tokens, int),
-                           problems=_number(problems, int), device=device, dtype=dtype,
-                           generation_batch=_number(generation_batch, int), workers=_number(workers, int),
-                           unsafe_weak_isolation=unsafe_weak_isolation)
+    results = run_evaluate(
+        r,
+        str(target),
+        workdir=workdir,
+        out_dir=str(_evaluation_dir(target, run, workdir)),
+        humaneval=humaneval or None,
+        allow_code_execution=allow_code_execution,
+        num_samples=_number(num_samples, int),
+        temperature=_number(temperature, float),
+        top_p=_number(top_p, float),
+        max_new_tokens=_number(max_new_tokens, int),
+        problems=_number(problems, int),
+        device=device,
+        dtype=dtype,
+        generation_batch=_number(generation_batch, int),
+        workers=_number(workers, int),
+        unsafe_weak_isolation=unsafe_weak_isolation,
+    )
     _print_evaluation_summary(results)
 
 
@@ -459,8 +611,9 @@ def _model_workdir(model: Path, r: config.Recipe):
 
 def _print_evaluation_summary(results: dict) -> None:
     summary = {k: v for k, v in results.items() if k.startswith("pass@")}
-    summary.update({f"{split}_{m}": r[m] for split, r in results.get("perplexity", {}).items()
-                    for m in ("loss", "ppl")})
+    summary.update(
+        {f"{split}_{m}": r[m] for split, r in results.get("perplexity", {}).items() for m in ("loss", "ppl")}
+    )
     print(json.dumps(summary, indent=2))
 
 
@@ -499,14 +652,15 @@ def _number(value, kind):
 
 
 @recipe_task(help={"humaneval": "include HumanEval", "allow_code_execution": "run generated code (sandboxed)"})
-def pipeline(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, humaneval=False,
-             allow_code_execution=False):
+def pipeline(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, humaneval=False, allow_code_execution=False):
     """corpus -> tokenizer -> preprocess -> train -> convert -> evaluate, each step only if needed."""
     r = config.load_recipe(recipe, list(set_ or []))
     if (humaneval or r.evaluate.humaneval) and not allow_code_execution:  # refuse now, not after training
-        raise UserError(f"{'--humaneval' if humaneval else f'recipe {r.name} (evaluate.humaneval: true)'} runs "
-                        "model-written code at the end: add --allow-code-execution, or "
-                        "--set evaluate.humaneval=false for perplexity only")
+        raise UserError(
+            f"{'--humaneval' if humaneval else f'recipe {r.name} (evaluate.humaneval: true)'} runs "
+            "model-written code at the end: add --allow-code-execution, or "
+            "--set evaluate.humaneval=false for perplexity only"
+        )
     train(c, recipe=recipe, set_=set_, workdir=workdir)
     run = workflow.run_dir(r, workdir)
     from megatron_core.checkpoint_format import read_tracker
@@ -520,12 +674,15 @@ def pipeline(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, human
         workflow.log(f"evaluate: up to date in {run / 'eval'}")
         _print_evaluation_summary(earlier)
     else:
-        evaluate(c, recipe=recipe, set_=set_, workdir=workdir, humaneval=humaneval,
-                 allow_code_execution=allow_code_execution)
-    print(f"pipeline: model {run / 'hf'}, evaluation {run / 'eval' / 'evaluation.md'}, loss curve "
-          f"{run / 'loss_curve.png'}; next: megatron-recipes evaluate --recipe {r.name} --humaneval "
-          "--allow-code-execution, or "
-          f"AutoModelForCausalLM.from_pretrained('{run / 'hf'}')")
+        evaluate(
+            c, recipe=recipe, set_=set_, workdir=workdir, humaneval=humaneval, allow_code_execution=allow_code_execution
+        )
+    print(
+        f"pipeline: model {run / 'hf'}, evaluation {run / 'eval' / 'evaluation.md'}, loss curve "
+        f"{run / 'loss_curve.png'}; next: megatron-recipes evaluate --recipe {r.name} --humaneval "
+        "--allow-code-execution, or "
+        f"AutoModelForCausalLM.from_pretrained('{run / 'hf'}')"
+    )
 
 
 def _converted_iteration(hf_dir: Path):
@@ -551,8 +708,12 @@ def _current_evaluation(run: Path, humaneval: bool):
 # ----------------------------------------------------------------------------------------------
 
 
-@task(help={"json": "print the report as JSON", "require": "comma-separated pieces that must be present "
-                                                            "(cuda, nccl, apex, triton)"})
+@task(
+    help={
+        "json": "print the report as JSON",
+        "require": "comma-separated pieces that must be present (cuda, nccl, apex, triton)",
+    }
+)
 def doctor(_c, json_=False, require=""):
     """What this machine has (torch, CUDA, NCCL, Apex, Triton) and what a missing piece disables."""
     from megatron_core import doctor as doctor_lib
@@ -571,8 +732,10 @@ def _checkout_package(name: str) -> None:
     """Make the checkout's `bench` or `ci` importable from any directory (invoke puts tasks.py's directory on
     sys.path; the console script does not), or refuse in one line where the package was installed without one."""
     if not (CHECKOUT / name / "__init__.py").is_file():
-        raise UserError(f"{name} tasks run from a checkout of megatron-recipes, and this install "
-                        f"({CHECKOUT}) has no {name}/: clone the repository and `pip install -e .` there")
+        raise UserError(
+            f"{name} tasks run from a checkout of megatron-recipes, and this install "
+            f"({CHECKOUT}) has no {name}/: clone the repository and `pip install -e .` there"
+        )
     if str(CHECKOUT) not in sys.path:
         sys.path.append(str(CHECKOUT))
 
@@ -590,8 +753,15 @@ def _bench_exit(rc: int) -> None:
         raise Exit(code=rc)
 
 
-@task(name="preprocess", help={"workers": "worker processes (default 2)", "vocab_size": "BPE vocabulary size",
-                               "engine": "auto | tiktoken | hf", "max_bytes": "stop the corpus after this many bytes"})
+@task(
+    name="preprocess",
+    help={
+        "workers": "worker processes (default 2)",
+        "vocab_size": "BPE vocabulary size",
+        "engine": "auto | tiktoken | hf",
+        "max_bytes": "stop the corpus after this many bytes",
+    },
+)
 @people_errors
 def bench_preprocess(_c, workers=2, vocab_size=32768, engine="auto", max_bytes=None):
     """Preprocessing speed of the whole command on the Python-stdlib corpus (MB/s, tokens/s); JSON to bench/results/."""
@@ -602,28 +772,72 @@ def bench_preprocess(_c, workers=2, vocab_size=32768, engine="auto", max_bytes=N
     _bench_exit(_bench_module("preprocess").main(argv))
 
 
-@task(name="dataset", help={"train_iters": "iterations (default CodeParrot-small's 150000)",
-                            "global_batch_size": "global batch (default 192)", "seq_length": "sequence length"})
+@task(
+    name="dataset",
+    help={
+        "train_iters": "iterations (default CodeParrot-small's 150000)",
+        "global_batch_size": "global batch (default 192)",
+        "seq_length": "sequence length",
+    },
+)
 @people_errors
 def bench_dataset(_c, train_iters=150000, global_batch_size=192, seq_length=1024):
     """GPT dataset index build: ours vs megatron-core's on the same data; JSON to bench/results/."""
     small = config.load_recipe("codeparrot-small-8gpu")  # whose 150000 x 192 samples the defaults are
-    _bench_exit(_bench_module("dataset").main(["--train-iters", str(train_iters), "--global-batch-size",
-                                               str(global_batch_size), "--seq-length", str(seq_length),
-                                               "--recipe-hash", small.hash]))
+    _bench_exit(
+        _bench_module("dataset").main(
+            [
+                "--train-iters",
+                str(train_iters),
+                "--global-batch-size",
+                str(global_batch_size),
+                "--seq-length",
+                str(seq_length),
+                "--recipe-hash",
+                small.hash,
+            ]
+        )
+    )
 
 
-@recipe_task(name="train", help={"iters": "timed iterations per run", "warmup": "untimed iterations first",
-                                 "repeats": "alternating runs of each side (best kept)",
-                                 "baseline": "hf: also train transformers' GPT2LMHeadModel + torch AdamW",
-                                 "rounds": "paired rounds (two steps of each side, one GEMM pass) behind the ratios",
-                                 "allow_emulated_gemm": "time bf16 even where its matmuls are emulated (no target "
-                                                        "is judged)"})
-def bench_train(_c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, iters=20, warmup=3, repeats=2,
-                baseline=None, rounds=10, allow_emulated_gemm=False):
+@recipe_task(
+    name="train",
+    help={
+        "iters": "timed iterations per run",
+        "warmup": "untimed iterations first",
+        "repeats": "alternating runs of each side (best kept)",
+        "baseline": "hf: also train transformers' GPT2LMHeadModel + torch AdamW",
+        "rounds": "paired rounds (two steps of each side, one GEMM pass) behind the ratios",
+        "allow_emulated_gemm": "time bf16 even where its matmuls are emulated (no target is judged)",
+    },
+)
+def bench_train(
+    _c,
+    recipe=DEFAULT_RECIPE,
+    set_=None,
+    workdir=DEFAULT_WORKDIR,
+    iters=20,
+    warmup=3,
+    repeats=2,
+    baseline=None,
+    rounds=10,
+    allow_emulated_gemm=False,
+):
     """Training throughput of our core (tokens/s, ms/iter, TFLOP/s, MFU, peak memory), optionally vs transformers."""
-    argv = ["--recipe", recipe, "--workdir", str(workdir), "--iters", str(iters), "--warmup", str(warmup),
-            "--repeats", str(repeats), "--rounds", str(rounds)]
+    argv = [
+        "--recipe",
+        recipe,
+        "--workdir",
+        str(workdir),
+        "--iters",
+        str(iters),
+        "--warmup",
+        str(warmup),
+        "--repeats",
+        str(repeats),
+        "--rounds",
+        str(rounds),
+    ]
     for item in set_ or []:
         argv += ["--set", item]
     if baseline:
@@ -633,16 +847,41 @@ def bench_train(_c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, i
     _bench_exit(_bench_module("train").main(argv))
 
 
-@task(name="eval", help={"problems": "HumanEval prompts", "samples": "samples per prompt",
-                         "batch": "samples per batch (both sides)", "max_new_tokens": "tokens per sample",
-                         "repeats": "interleaved rounds", "threads": "torch threads (default: torch's choice)",
-                         "device": "cpu | cuda | cuda:N"})
+@task(
+    name="eval",
+    help={
+        "problems": "HumanEval prompts",
+        "samples": "samples per prompt",
+        "batch": "samples per batch (both sides)",
+        "max_new_tokens": "tokens per sample",
+        "repeats": "interleaved rounds",
+        "threads": "torch threads (default: torch's choice)",
+        "device": "cpu | cuda | cuda:N",
+    },
+)
 @people_errors
 def bench_eval(_c, problems=2, samples=8, batch=8, max_new_tokens=192, repeats=2, threads=0, device="cpu"):
     """HumanEval generation tokens/s: evaluate's KV-cached sampler vs transformers' generate; JSON to bench/results/."""
-    _bench_exit(_bench_module("eval").main(["--problems", str(problems), "--samples", str(samples), "--batch",
-                                            str(batch), "--max-new-tokens", str(max_new_tokens), "--repeats",
-                                            str(repeats), "--threads", str(threads), "--device", device]))
+    _bench_exit(
+        _bench_module("eval").main(
+            [
+                "--problems",
+                str(problems),
+                "--samples",
+                str(samples),
+                "--batch",
+                str(batch),
+                "--max-new-tokens",
+                str(max_new_tokens),
+                "--repeats",
+                str(repeats),
+                "--threads",
+                str(threads),
+                "--device",
+                device,
+            ]
+        )
+    )
 
 
 @task(name="kernels", help={"dtype": "bf16 | fp16 | fp32", "iters": "timed iterations per kernel"})
@@ -652,11 +891,17 @@ def bench_kernels(_c, dtype="bf16", iters=50):
     _bench_exit(_bench_module("kernels").main(["--dtype", dtype, "--iters", str(iters)]))
 
 
-@task(name="build", help={"tag": "image tag (default megatron-recipes:ngc<NGC tag>)",
-                          "ngc_tag": "NGC PyTorch release, e.g. 25.10",
-                          "ngc_digest": "that release's image digest, sha256:... (needed with another --ngc-tag)",
-                          "no_cache": "build without the layer cache",
-                          "pull": "pull a newer base image", "dry_run": "print the docker build command and exit"})
+@task(
+    name="build",
+    help={
+        "tag": "image tag (default megatron-recipes:ngc<NGC tag>)",
+        "ngc_tag": "NGC PyTorch release, e.g. 25.10",
+        "ngc_digest": "that release's image digest, sha256:... (needed with another --ngc-tag)",
+        "no_cache": "build without the layer cache",
+        "pull": "pull a newer base image",
+        "dry_run": "print the docker build command and exit",
+    },
+)
 @people_errors
 def docker_build(_c, tag=None, ngc_tag=None, ngc_digest=None, no_cache=False, pull=False, dry_run=False):
     """Build the NGC-based image (Apex CUDA extensions checked at build time)."""
@@ -665,25 +910,47 @@ def docker_build(_c, tag=None, ngc_tag=None, ngc_digest=None, no_cache=False, pu
     containers.build(tag=tag, ngc_tag=ngc_tag, ngc_digest=ngc_digest, no_cache=no_cache, pull=pull, dry_run=dry_run)
 
 
-@task(name="run", iterable=["mount", "set_", "env"], auto_shortflags=False, help={
-    "recipe": "recipe name, family or container path (default codeparrot-small)",
-    "task": "invoke task to run inside (default train)",
-    "gpus": "all or a number",
-    "mount": "extra SRC:DST[:ro] mount (repeatable)",
-    "set_": "recipe override passed to the task (repeatable)",
-    "env": "KEY=VALUE for the container (repeatable)",
-    "image": "image to run (default megatron-recipes:ngc<NGC tag>)",
-    "workdir": "host directory mounted on /work (default ./work)",
-    "cache": "host directory mounted on /cache (HF and datasets caches)",
-    "network_host": "use the host network (multi-node NCCL; implied by --nnodes > 1)",
-    "nnodes": "nodes of a multi-node run (passed to the task inside)",
-    "node_rank": "this node's rank", "master_addr": "address of node 0", "master_port": "port on node 0",
-    "dry_run": "print the docker run command and exit",
-})
+@task(
+    name="run",
+    iterable=["mount", "set_", "env"],
+    auto_shortflags=False,
+    help={
+        "recipe": "recipe name, family or container path (default codeparrot-small)",
+        "task": "invoke task to run inside (default train)",
+        "gpus": "all or a number",
+        "mount": "extra SRC:DST[:ro] mount (repeatable)",
+        "set_": "recipe override passed to the task (repeatable)",
+        "env": "KEY=VALUE for the container (repeatable)",
+        "image": "image to run (default megatron-recipes:ngc<NGC tag>)",
+        "workdir": "host directory mounted on /work (default ./work)",
+        "cache": "host directory mounted on /cache (HF and datasets caches)",
+        "network_host": "use the host network (multi-node NCCL; implied by --nnodes > 1)",
+        "nnodes": "nodes of a multi-node run (passed to the task inside)",
+        "node_rank": "this node's rank",
+        "master_addr": "address of node 0",
+        "master_port": "port on node 0",
+        "dry_run": "print the docker run command and exit",
+    },
+)
 @people_errors
-def docker_run(_c, recipe="codeparrot-small", task_="train", gpus="all", mount=None, set_=None, env=None, image=None,
-               workdir=DEFAULT_WORKDIR, cache=None, network_host=False, nnodes=1, node_rank=0, master_addr=None,
-               master_port=None, dry_run=False):
+def docker_run(
+    _c,
+    recipe="codeparrot-small",
+    task_="train",
+    gpus="all",
+    mount=None,
+    set_=None,
+    env=None,
+    image=None,
+    workdir=DEFAULT_WORKDIR,
+    cache=None,
+    network_host=False,
+    nnodes=1,
+    node_rank=0,
+    master_addr=None,
+    master_port=None,
+    dry_run=False,
+):
     """Run a recipe's task inside the image: GPUs, ipc=host, memlock/stack ulimits, work and cache mounted."""
     from megatron_core import containers
 
@@ -693,18 +960,33 @@ def docker_run(_c, recipe="codeparrot-small", task_="train", gpus="all", mount=N
         task_args += ["--nnodes", str(nnodes), "--node-rank", str(node_rank)]
         task_args += ["--master-addr", master_addr] if master_addr else []
         task_args += ["--master-port", str(master_port)] if master_port else []
-    rc = containers.run(recipe, task_, gpus, mount or [], dry_run=dry_run, image=image, workdir=workdir,
-                        cache=cache, env=env or [], network_host=network_host, task_args=task_args)
+    rc = containers.run(
+        recipe,
+        task_,
+        gpus,
+        mount or [],
+        dry_run=dry_run,
+        image=image,
+        workdir=workdir,
+        cache=cache,
+        env=env or [],
+        network_host=network_host,
+        task_args=task_args,
+    )
     if not dry_run and rc:
         raise Exit(f"error: the container exited with code {rc}", code=rc)
 
 
-@task(name="golden", iterable=["set_"], help={
-    "recipe": "smoke recipe whose run to check (its golden file is ci/golden/<recipe>.json)",
-    "workdir": "where the recipe's run is",
-    "update": "rewrite the golden file from the run instead of checking it",
-    "set_": "recipe override (repeatable)",
-})
+@task(
+    name="golden",
+    iterable=["set_"],
+    help={
+        "recipe": "smoke recipe whose run to check (its golden file is ci/golden/<recipe>.json)",
+        "workdir": "where the recipe's run is",
+        "update": "rewrite the golden file from the run instead of checking it",
+        "set_": "recipe override (repeatable)",
+    },
+)
 @people_errors
 def ci_golden(_c, recipe="smoke", workdir=DEFAULT_WORKDIR, update=False, set_=None):
     """Compare a smoke run's losses with ci/golden/<recipe>.json (diff table on drift), or --update them."""

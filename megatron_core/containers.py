@@ -52,8 +52,9 @@ def _dockerfile_arg(name: str, dockerfile: Path) -> str:
     try:
         text = dockerfile.read_text()
     except OSError as exc:
-        raise ContainerError(f"cannot read {dockerfile} ({exc.strerror}); run from a checkout of the "
-                             "repository") from None
+        raise ContainerError(
+            f"cannot read {dockerfile} ({exc.strerror}); run from a checkout of the repository"
+        ) from None
     match = re.search(rf"^ARG\s+{name}=(\S+)\s*$", text, re.MULTILINE)
     if not match:
         raise ContainerError(f"{dockerfile} has no `ARG {name}=...` line; restore it from git")
@@ -90,9 +91,16 @@ class BuildRequest:
 
     def sdk_kwargs(self) -> dict:
         """Keyword arguments for `client.api.build` (streamed, decoded progress)."""
-        return {"path": str(self.context), "dockerfile": self.dockerfile, "tag": self.tag,
-                "buildargs": self.buildargs, "rm": True, "decode": True, "nocache": self.no_cache,
-                "pull": self.pull}
+        return {
+            "path": str(self.context),
+            "dockerfile": self.dockerfile,
+            "tag": self.tag,
+            "buildargs": self.buildargs,
+            "rm": True,
+            "decode": True,
+            "nocache": self.no_cache,
+            "pull": self.pull,
+        }
 
     def command_line(self) -> str:
         args = ["docker", "build", "-f", self.dockerfile]
@@ -107,8 +115,14 @@ _NGC_TAG = re.compile(r"^\d{2}\.\d{2}(\.\d+)?$")
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 
-def build_request(tag: str | None = None, ngc_tag: str | None = None, context: str | os.PathLike | None = None,
-                  no_cache: bool = False, pull: bool = False, ngc_digest: str | None = None) -> BuildRequest:
+def build_request(
+    tag: str | None = None,
+    ngc_tag: str | None = None,
+    context: str | os.PathLike | None = None,
+    no_cache: bool = False,
+    pull: bool = False,
+    ngc_digest: str | None = None,
+) -> BuildRequest:
     """Validate the build inputs; defaults: the Dockerfile's NGC tag and digest, image megatron-recipes:ngc<tag>.
     Another tag needs its own digest (with both, Docker pulls the digest: the Dockerfile's would be 25.10)."""
     context = Path(context or REPO_ROOT).resolve()
@@ -118,18 +132,30 @@ def build_request(tag: str | None = None, ngc_tag: str | None = None, context: s
     pinned_tag = dockerfile_ngc_tag(dockerfile)
     ngc_tag = ngc_tag or pinned_tag
     if not _NGC_TAG.match(ngc_tag):
-        raise ContainerError(f"--ngc-tag {ngc_tag!r} is not an NGC release tag; use YY.MM such as 25.10 "
-                             "(the image is nvcr.io/nvidia/pytorch:<tag>-py3)")
+        raise ContainerError(
+            f"--ngc-tag {ngc_tag!r} is not an NGC release tag; use YY.MM such as 25.10 "
+            "(the image is nvcr.io/nvidia/pytorch:<tag>-py3)"
+        )
     if ngc_digest is None:
         if ngc_tag != pinned_tag:
-            raise ContainerError(f"--ngc-tag {ngc_tag} needs its --ngc-digest (the Dockerfile pins {pinned_tag}'s); "
-                                 f"`docker buildx imagetools inspect nvcr.io/nvidia/pytorch:{ngc_tag}-py3` prints it")
+            raise ContainerError(
+                f"--ngc-tag {ngc_tag} needs its --ngc-digest (the Dockerfile pins {pinned_tag}'s); "
+                f"`docker buildx imagetools inspect nvcr.io/nvidia/pytorch:{ngc_tag}-py3` prints it"
+            )
         ngc_digest = dockerfile_ngc_digest(dockerfile)
     if not _DIGEST.match(ngc_digest):
-        raise ContainerError(f"--ngc-digest {ngc_digest!r} is not an image digest; use sha256:<64 hex digits> "
-                             f"(docker buildx imagetools inspect nvcr.io/nvidia/pytorch:{ngc_tag}-py3)")
-    return BuildRequest(tag=tag or default_image(ngc_tag), ngc_tag=ngc_tag, ngc_digest=ngc_digest, context=context,
-                        no_cache=no_cache, pull=pull)
+        raise ContainerError(
+            f"--ngc-digest {ngc_digest!r} is not an image digest; use sha256:<64 hex digits> "
+            f"(docker buildx imagetools inspect nvcr.io/nvidia/pytorch:{ngc_tag}-py3)"
+        )
+    return BuildRequest(
+        tag=tag or default_image(ngc_tag),
+        ngc_tag=ngc_tag,
+        ngc_digest=ngc_digest,
+        context=context,
+        no_cache=no_cache,
+        pull=pull,
+    )
 
 
 def send_build(request: BuildRequest, client, echo: Echo = print) -> str:
@@ -141,8 +167,9 @@ def send_build(request: BuildRequest, client, echo: Echo = print) -> str:
             if text:
                 echo(text)
         if "error" in chunk:
-            raise ContainerError(f"docker build of {request.tag} failed: {chunk['error'].strip()}; "
-                                 "the build output is above")
+            raise ContainerError(
+                f"docker build of {request.tag} failed: {chunk['error'].strip()}; the build output is above"
+            )
         image_id = (chunk.get("aux") or {}).get("ID", image_id)
     echo(f"built {request.tag} ({image_id or 'id not reported'})")
     return image_id
@@ -282,10 +309,20 @@ def host_user() -> str | None:
     return f"{os.getuid()}:{os.getgid()}"
 
 
-def run_request(recipe: str = DEFAULT_RECIPE, task: str = DEFAULT_TASK, gpus: Gpus = "all", mounts=(),
-                image: str | None = None, workdir: str | os.PathLike = "./work",
-                cache: str | os.PathLike | None = None, env=(), network_host: bool = False, task_args=(),
-                name: str | None = None, user: str | None = None) -> RunRequest:
+def run_request(
+    recipe: str = DEFAULT_RECIPE,
+    task: str = DEFAULT_TASK,
+    gpus: Gpus = "all",
+    mounts=(),
+    image: str | None = None,
+    workdir: str | os.PathLike = "./work",
+    cache: str | os.PathLike | None = None,
+    env=(),
+    network_host: bool = False,
+    task_args=(),
+    name: str | None = None,
+    user: str | None = None,
+) -> RunRequest:
     """The container for `invoke <task> --recipe <recipe> [task_args...]`, with the host's `workdir` on /work
     and `cache` (default ~/.cache/megatron-recipes) on /cache; --mount entries add to (or replace, by
     container path) those two. It runs as `user` (default: the caller's uid:gid), so what it writes there
@@ -294,8 +331,7 @@ def run_request(recipe: str = DEFAULT_RECIPE, task: str = DEFAULT_TASK, gpus: Gp
         raise ContainerError(f"--task {task!r} is not an invoke task name; e.g. train, pipeline, evaluate")
     _check_recipe_name(recipe)
     defaults = []
-    for host, target in ((workdir, CONTAINER_WORKDIR),
-                         (cache or Path.home() / ".cache" / IMAGE_NAME, CONTAINER_CACHE)):
+    for host, target in ((workdir, CONTAINER_WORKDIR), (cache or Path.home() / ".cache" / IMAGE_NAME, CONTAINER_CACHE)):
         defaults.append(parse_mount(f"{host}:{target}", must_exist=False))
     extra = [parse_mount(spec) for spec in mounts or ()]
     by_target = {m.target: m for m in defaults + extra}
@@ -319,8 +355,10 @@ def send_run(request: RunRequest, client, echo: Echo = print) -> int:
     try:
         client.images.get(request.image)
     except docker.errors.ImageNotFound:
-        raise ContainerError(f"image {request.image} is not on this Docker engine; build it first with "
-                             f"`invoke docker.build --tag {request.image}`") from None
+        raise ContainerError(
+            f"image {request.image} is not on this Docker engine; build it first with "
+            f"`invoke docker.build --tag {request.image}`"
+        ) from None
     for directory in request.make_dirs:
         Path(directory).mkdir(parents=True, exist_ok=True)
     echo(f"+ {request.command_line()}")
@@ -365,8 +403,17 @@ def docker_client():
         ) from None
 
 
-def build(tag: str | None = None, ngc_tag: str | None = None, context=None, client=None, dry_run: bool = False,
-          no_cache: bool = False, pull: bool = False, echo: Echo = print, ngc_digest: str | None = None) -> str:
+def build(
+    tag: str | None = None,
+    ngc_tag: str | None = None,
+    context=None,
+    client=None,
+    dry_run: bool = False,
+    no_cache: bool = False,
+    pull: bool = False,
+    echo: Echo = print,
+    ngc_digest: str | None = None,
+) -> str:
     """`invoke docker.build`: the dry-run command line, or the built image's id."""
     request = build_request(tag, ngc_tag, context, no_cache=no_cache, pull=pull, ngc_digest=ngc_digest)
     if dry_run:
@@ -375,8 +422,16 @@ def build(tag: str | None = None, ngc_tag: str | None = None, context=None, clie
     return send_build(request, client or docker_client(), echo)
 
 
-def run(recipe: str = DEFAULT_RECIPE, task: str = DEFAULT_TASK, gpus: Gpus = "all", mounts=(), client=None,
-        dry_run: bool = False, echo: Echo = print, **options) -> int | str:
+def run(
+    recipe: str = DEFAULT_RECIPE,
+    task: str = DEFAULT_TASK,
+    gpus: Gpus = "all",
+    mounts=(),
+    client=None,
+    dry_run: bool = False,
+    echo: Echo = print,
+    **options,
+) -> int | str:
     """`invoke docker.run`: the dry-run command line, or the container's exit code. `options` are
     run_request's (image, workdir, cache, env, network_host, task_args, name, user)."""
     request = run_request(recipe, task, gpus, mounts, **options)
@@ -386,7 +441,25 @@ def run(recipe: str = DEFAULT_RECIPE, task: str = DEFAULT_TASK, gpus: Gpus = "al
     return send_run(request, client or docker_client(), echo)
 
 
-__all__ = ["BuildRequest", "RunRequest", "Mount", "ContainerError", "EngineUnreachable", "build_request",
-           "run_request", "send_build", "send_run", "build", "run", "docker_client", "engine_socket",
-           "default_image", "dockerfile_ngc_tag", "dockerfile_ngc_digest", "host_user", "parse_mount", "parse_gpus",
-           "parse_env"]
+__all__ = [
+    "BuildRequest",
+    "RunRequest",
+    "Mount",
+    "ContainerError",
+    "EngineUnreachable",
+    "build_request",
+    "run_request",
+    "send_build",
+    "send_run",
+    "build",
+    "run",
+    "docker_client",
+    "engine_socket",
+    "default_image",
+    "dockerfile_ngc_tag",
+    "dockerfile_ngc_digest",
+    "host_user",
+    "parse_mount",
+    "parse_gpus",
+    "parse_env",
+]

@@ -87,18 +87,29 @@ def _torch_section() -> tuple[dict, dict, dict]:
     if available:
         for index in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(index)
-            devices.append({"name": props.name, "capability": f"{props.major}.{props.minor}",
-                            "memory_gib": round(props.total_memory / 2**30, 1)})
-    cuda = {"available": available, "devices": devices,
-            "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-            "cudnn": torch.backends.cudnn.version() if available else None}
+            devices.append(
+                {
+                    "name": props.name,
+                    "capability": f"{props.major}.{props.minor}",
+                    "memory_gib": round(props.total_memory / 2**30, 1),
+                }
+            )
+    cuda = {
+        "available": available,
+        "devices": devices,
+        "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "cudnn": torch.backends.cudnn.version() if available else None,
+    }
     nccl_version = None
     if available and dist.is_nccl_available():
         nccl_version = ".".join(str(part) for part in torch.cuda.nccl.version())
-    nccl = {"built": dist.is_available() and dist.is_nccl_available(), "available": nccl_version is not None,
-            "version": nccl_version, "gloo": dist.is_available() and dist.is_gloo_available(),
-            "env": {key: value for key, value in sorted(os.environ.items())
-                    if key.startswith(("NCCL_", "TORCH_NCCL_"))}}
+    nccl = {
+        "built": dist.is_available() and dist.is_nccl_available(),
+        "available": nccl_version is not None,
+        "version": nccl_version,
+        "gloo": dist.is_available() and dist.is_gloo_available(),
+        "env": {key: value for key, value in sorted(os.environ.items()) if key.startswith(("NCCL_", "TORCH_NCCL_"))},
+    }
     return torch_info, cuda, nccl
 
 
@@ -107,8 +118,12 @@ def _apex_section() -> dict:
 
     status = apex_status()
     modules = {name: ok for name, ok in status.items() if name != "errors"}
-    return {"version": _distribution_version(("apex",)), "modules": modules, "errors": dict(status["errors"]),
-            "usable": all(modules.values())}
+    return {
+        "version": _distribution_version(("apex",)),
+        "modules": modules,
+        "errors": dict(status["errors"]),
+        "usable": all(modules.values()),
+    }
 
 
 def _triton_section(cuda_available: bool) -> dict:
@@ -127,15 +142,18 @@ def consequences(r: dict) -> list[str]:
     """One line per missing piece: what it is and what it disables."""
     lines = []
     if not r["cuda"]["available"]:
-        lines.append("CUDA: not available -> fused Triton kernels, Apex and NCCL disabled; "
-                     "training runs on CPU with gloo")
+        lines.append(
+            "CUDA: not available -> fused Triton kernels, Apex and NCCL disabled; training runs on CPU with gloo"
+        )
     else:
         if not r["nccl"]["available"]:
             lines.append("NCCL: not available -> multi-GPU runs cannot use the nccl backend")
         if not r["apex"]["usable"]:
             missing = ", ".join(name for name, ok in r["apex"]["modules"].items() if not ok)
-            lines.append(f"Apex: {missing} missing -> the opt-in `optimizer: apex` (FusedAdam) and `fusions: apex` "
-                         "(LayerNorm) are refused; the defaults, torch's AdamW and PyTorch LayerNorm, run")
+            lines.append(
+                f"Apex: {missing} missing -> the opt-in `optimizer: apex` (FusedAdam) and `fusions: apex` "
+                "(LayerNorm) are refused; the defaults, torch's AdamW and PyTorch LayerNorm, run"
+            )
         if r["triton"]["version"] is None:
             lines.append("Triton: not installed -> fused Triton kernels disabled; PyTorch reference ops run")
     if r["cuda"]["available"] is False and r["triton"]["version"] and not r["triton"]["interpreter"]:
@@ -143,9 +161,11 @@ def consequences(r: dict) -> list[str]:
     if r["transformers"]["version"] is None:
         lines.append("transformers: not installed -> Hugging Face conversion checks and evaluation disabled")
     elif not r["transformers"]["ok"]:
-        lines.append(f"transformers: {r['transformers']['version']} is outside {TRANSFORMERS_REQUIREMENT} -> "
-                     "evaluation and HumanEval generation fail (they use the 5.24 KV-cache API, `cache=`) "
-                     f"or load the model in the wrong dtype; pip install 'transformers{TRANSFORMERS_REQUIREMENT}'")
+        lines.append(
+            f"transformers: {r['transformers']['version']} is outside {TRANSFORMERS_REQUIREMENT} -> "
+            "evaluation and HumanEval generation fail (they use the 5.24 KV-cache API, `cache=`) "
+            f"or load the model in the wrong dtype; pip install 'transformers{TRANSFORMERS_REQUIREMENT}'"
+        )
     if r["megatron-core"]["version"] is None:
         lines.append("megatron-core: not installed -> conformance tests against Megatron's own code are skipped")
     if r["docker"]["version"] is None:
@@ -240,23 +260,29 @@ def check_requirements(r: dict, required: list[str]) -> None:
         raise UserError(f"--require names unknown pieces {unknown}; choose from {', '.join(REQUIREMENTS)}")
     missing = [name for name in required if not REQUIREMENTS[name](r)]
     if missing:
-        raise UserError(f"required but missing here: {', '.join(missing)}; see the report above for what "
-                        "each disables and install the missing piece (in the image: rebuild docker/Dockerfile)")
+        raise UserError(
+            f"required but missing here: {', '.join(missing)}; see the report above for what "
+            "each disables and install the missing piece (in the image: rebuild docker/Dockerfile)"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_core.doctor", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("--require", default="", help=f"comma-separated pieces that must be present: "
-                                                      f"{', '.join(REQUIREMENTS)}")
+    parser.add_argument(
+        "--require", default="", help=f"comma-separated pieces that must be present: {', '.join(REQUIREMENTS)}"
+    )
     args = parser.parse_args(argv)
     try:
         r = report()
     except ImportError as exc:  # without torch nothing else can be probed (or trained): say so in one line
         if (exc.name or "").partition(".")[0] != "torch":
             raise
-        print(f"error: torch does not import in {sys.executable} ({exc}): install it (bash ci/bootstrap.sh makes "
-              ".venv with the CPU wheel) or use the Python that has it (. .venv/bin/activate)", file=sys.stderr)
+        print(
+            f"error: torch does not import in {sys.executable} ({exc}): install it (bash ci/bootstrap.sh makes "
+            ".venv with the CPU wheel) or use the Python that has it (. .venv/bin/activate)",
+            file=sys.stderr,
+        )
         return 2
     print(json.dumps(r, indent=2) if args.json else format_report(r), flush=True)
     try:

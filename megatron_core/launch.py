@@ -57,9 +57,17 @@ def _torchrun() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "torch.distributed.run"]
 
 
-def torchrun_command(recipe_spec: str, overrides: Sequence[str], nproc: int, nnodes: int = 1, node_rank: int = 0,
-                     master_addr: str = "127.0.0.1", master_port: int = 29500,
-                     rdzv_endpoint: Optional[str] = None, extra_args: Sequence[str] = ()) -> list[str]:
+def torchrun_command(
+    recipe_spec: str,
+    overrides: Sequence[str],
+    nproc: int,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master_addr: str = "127.0.0.1",
+    master_port: int = 29500,
+    rdzv_endpoint: Optional[str] = None,
+    extra_args: Sequence[str] = (),
+) -> list[str]:
     problems = []
     if nproc < 1:
         problems.append(f"--nproc {nproc} must be >= 1 (processes per node)")

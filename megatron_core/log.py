@@ -19,8 +19,9 @@ ROOT = "megatron_core"
 _STYLES: dict[str, tuple[Optional[str], bool, bool]] = {}
 
 
-def get_logger(name: str, *, tag: Optional[str] = None, stderr: bool = False,
-               rank_prefix: bool = True) -> logging.Logger:
+def get_logger(
+    name: str, *, tag: Optional[str] = None, stderr: bool = False, rank_prefix: bool = True
+) -> logging.Logger:
     """The logger for one module (`name` is its __name__). rank_prefix=False: the caller already picks the
     single rank that logs (the training writer), whose lines stay bare as in Megatron."""
     _STYLES[name] = (tag, stderr, rank_prefix)

@@ -49,18 +49,32 @@ class RankLayout:
 def _check_world(world_size: int, tp: int, pp: int) -> None:
     """Refuse sizes the groups cannot be cut from: the world must split into TP x PP blocks. The model's
     shape and layout rules are config.ModelSpec's (recipe validation and GPTModel ask it)."""
-    problems = [f"{name} must be >= 1 (got {value})"
-                for name, value in (("world size", world_size), ("tensor_model_parallel_size", tp),
-                                    ("pipeline_model_parallel_size", pp)) if value < 1]
+    problems = [
+        f"{name} must be >= 1 (got {value})"
+        for name, value in (
+            ("world size", world_size),
+            ("tensor_model_parallel_size", tp),
+            ("pipeline_model_parallel_size", pp),
+        )
+        if value < 1
+    ]
     if not problems and world_size % (tp * pp):
-        problems.append(f"world size {world_size} is not divisible by tensor_model_parallel_size {tp} x "
-                        f"pipeline_model_parallel_size {pp} = {tp * pp}")
+        problems.append(
+            f"world size {world_size} is not divisible by tensor_model_parallel_size {tp} x "
+            f"pipeline_model_parallel_size {pp} = {tp * pp}"
+        )
     if problems:
         raise ParallelLayoutError("impossible parallel layout: " + "; ".join(problems))
 
 
-def stage_layers(num_layers: int, pp: int, pp_rank: int, *,
-                 num_layers_per_virtual_pipeline_stage: Optional[int] = None, virtual_rank: int = 0) -> range:
+def stage_layers(
+    num_layers: int,
+    pp: int,
+    pp_rank: int,
+    *,
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None,
+    virtual_rank: int = 0,
+) -> range:
     """Global layer numbers held by pipeline rank `pp_rank` (its model chunk `virtual_rank` when interleaved).
 
     Without virtual stages, rank r holds the contiguous [r L/p, (r+1) L/p). With v = L / (p n)
@@ -114,8 +128,11 @@ _GROUPS: dict[str, _Group] = {}
 _VIRTUAL_PIPELINE_WORLD_SIZE: Optional[int] = None  # model chunks per PP rank (interleaved 1F1B), or None
 
 
-def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-                              virtual_pipeline_model_parallel_size: Optional[int] = None) -> None:
+def initialize_model_parallel(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: Optional[int] = None,
+) -> None:
     """Build every TP, DP, PP, embedding and model-parallel group (call on all ranks, same sizes).
     `virtual_pipeline_model_parallel_size` (Megatron's name): model chunks per PP rank for the
     interleaved schedule; None runs one contiguous stage per rank."""
@@ -124,13 +141,16 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
         raise RuntimeError("model parallel groups are already initialized; call destroy_model_parallel() first")
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
     if virtual_pipeline_model_parallel_size is not None and (pp < 2 or virtual_pipeline_model_parallel_size < 1):
-        raise ParallelLayoutError(f"virtual_pipeline_model_parallel_size {virtual_pipeline_model_parallel_size} "
-                                  f"needs pipeline_model_parallel_size >= 2 (got {pp}) and a value >= 1")
+        raise ParallelLayoutError(
+            f"virtual_pipeline_model_parallel_size {virtual_pipeline_model_parallel_size} "
+            f"needs pipeline_model_parallel_size >= 2 (got {pp}) and a value >= 1"
+        )
     if not dist.is_initialized():
         if tp * pp != 1:
             raise ParallelLayoutError(
                 f"tensor_model_parallel_size {tp} x pipeline_model_parallel_size {pp} needs torch.distributed; "
-                "launch with torchrun (or run_distributed in tests)")
+                "launch with torchrun (or run_distributed in tests)"
+            )
         return  # single process: every query already answers world 1
     layout = rank_layout(dist.get_world_size(), tp, pp)
     me = dist.get_rank()

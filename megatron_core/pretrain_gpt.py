@@ -42,9 +42,11 @@ def check_training_values(recipe: Recipe) -> None:
     problems = []
     if t.fp16 and trains_on(recipe) == "cpu":
         where = "cpu" if t.device == "cpu" else f"{t.device} (no CUDA GPU visible, so cpu)"
-        problems.append(f"training.fp16 needs a CUDA GPU but training.device is {where}: fp16 is for GPUs (no "
-                        "fast fp16 matmuls on a CPU); on a CPU use --set fp16=false --set bf16=true (or fp32), "
-                        "or train on a GPU with --set device=cuda")
+        problems.append(
+            f"training.fp16 needs a CUDA GPU but training.device is {where}: fp16 is for GPUs (no "
+            "fast fp16 matmuls on a CPU); on a CPU use --set fp16=false --set bf16=true (or fp32), "
+            "or train on a GPU with --set device=cuda"
+        )
     if t.optimizer == "apex":
         from megatron_core.fusions.apex import fused_adam_problem
 
@@ -94,9 +96,11 @@ def precision_regime(recipe: Recipe) -> str:
     precision, dtype = precision_of(recipe)
     master = "the weights themselves (fp32)" if precision == "fp32" else "fp32 copies"
     scaling = "dynamic loss scaling" if precision == "fp16" else "no loss scaling"
-    return (f"precision: weights {str(dtype).replace('torch.', '')}, master weights {master}, gradients "
-            f"accumulated and reduced in {str(grad_dtype_of(recipe)).replace('torch.', '')} main_grad buffers, "
-            f"{scaling}")
+    return (
+        f"precision: weights {str(dtype).replace('torch.', '')}, master weights {master}, gradients "
+        f"accumulated and reduced in {str(grad_dtype_of(recipe)).replace('torch.', '')} main_grad buffers, "
+        f"{scaling}"
+    )
 
 
 def precision_of(recipe: Recipe) -> tuple[str, torch.dtype]:
@@ -121,8 +125,9 @@ def _vocab_size(tokenizer_files, vocab_size: Optional[int]) -> int:
         vocab_file, merge_file = tokenizer_files
         return GPT2BPETokenizer(str(vocab_file), str(merge_file)).vocab_size
     if vocab_size is None:
-        raise UserError("no tokenizer: give --vocab-file and --merge-file "
-                        "(or --vocab-size for data tokenized elsewhere)")
+        raise UserError(
+            "no tokenizer: give --vocab-file and --merge-file (or --vocab-size for data tokenized elsewhere)"
+        )
     return int(vocab_size)
 
 
@@ -138,9 +143,15 @@ def build_datasets(recipe: Recipe, data_prefix, cache_dir: Path, vocab_size: Opt
 
     t = recipe.training
     counts = samples_per_split(t.train_iters, t.global_batch_size, t.eval_interval, t.eval_iters)
-    return build_gpt_datasets(_data_prefix_arg(data_prefix), split=recipe.data.split,
-                              seq_length=recipe.model.seq_length, num_samples=counts, seed=t.seed,
-                              cache_dir=str(cache_dir), vocab_size=vocab_size)
+    return build_gpt_datasets(
+        _data_prefix_arg(data_prefix),
+        split=recipe.data.split,
+        seq_length=recipe.model.seq_length,
+        num_samples=counts,
+        seed=t.seed,
+        cache_dir=str(cache_dir),
+        vocab_size=vocab_size,
+    )
 
 
 def resolve_run_backends(recipe: Recipe, device: torch.device):
@@ -157,8 +168,9 @@ def build_model(recipe: Recipe, padded_vocab_size: int, device: torch.device, dt
     # Weights come from (training.seed, parameter name), not from the per-stage seeded RNG, so every
     # TP x PP layout starts from the single process's weights (Megatron seeds stages apart for dropout).
     # With virtual pipeline stages this is GPTModelChunks, one GPTModel per chunk.
-    model = build_gpt_model(recipe.model, recipe.parallel, padded_vocab_size, fusions=fusions,
-                            init_seed=recipe.training.seed)
+    model = build_gpt_model(
+        recipe.model, recipe.parallel, padded_vocab_size, fusions=fusions, init_seed=recipe.training.seed
+    )
     model = model.to(device=device, dtype=dtype)
     if recipe.training.compile:
         compile_layers(model)
@@ -184,8 +196,11 @@ def build_model_and_optimizer(recipe: Recipe, padded_vocab_size: int, device: to
         if problem:
             raise TrainingConfigError(f"cannot train this recipe: {problem}")
         fused_adam = fused_adam_class()
-    scaler = (DynamicGradScaler(t.initial_loss_scale, t.min_loss_scale, 2.0, 0.5, t.loss_scale_window, t.hysteresis)
-              if precision == "fp16" else ConstantGradScaler())
+    scaler = (
+        DynamicGradScaler(t.initial_loss_scale, t.min_loss_scale, 2.0, 0.5, t.loss_scale_window, t.hysteresis)
+        if precision == "fp16"
+        else ConstantGradScaler()
+    )
     settings = AdamSettings(t.lr, t.weight_decay, t.adam_beta1, t.adam_beta2, t.adam_eps)
     # Wrapped at every DP size, as Megatron does: the wrapper owns the main_grad buffers.
     grad_dtype = grad_dtype_of(recipe)
@@ -193,18 +208,33 @@ def build_model_and_optimizer(recipe: Recipe, padded_vocab_size: int, device: to
         from megatron_core.optimizer.distrib_optimizer import DistributedOptimizer
 
         model = DistributedDataParallel(model, p, reduce_kind="reduce_scatter", grad_dtype=grad_dtype)
-        optimizer = DistributedOptimizer(model, settings, precision=precision, clip_grad=t.clip_grad,
-                                         grad_scaler=scaler, device=device, fused_adam_cls=fused_adam)
+        optimizer = DistributedOptimizer(
+            model,
+            settings,
+            precision=precision,
+            clip_grad=t.clip_grad,
+            grad_scaler=scaler,
+            device=device,
+            fused_adam_cls=fused_adam,
+        )
     else:
         model = DistributedDataParallel(model, p, grad_dtype=grad_dtype)
-        optimizer = MegatronOptimizer(inner_model, settings, precision=precision, clip_grad=t.clip_grad,
-                                      grad_scaler=scaler, device=device, fused_adam_cls=fused_adam)
+        optimizer = MegatronOptimizer(
+            inner_model,
+            settings,
+            precision=precision,
+            clip_grad=t.clip_grad,
+            grad_scaler=scaler,
+            device=device,
+            fused_adam_cls=fused_adam,
+        )
     return fusions, model, inner_model, optimizer
 
 
 def _destroys_what_it_started(train_fn):
     """train()'s exit, also on an error: the process group init_distributed made is destroyed (NCCL
     warns at exit without it; some versions hang). A group the caller made is left to the caller."""
+
     @functools.wraps(train_fn)
     def wrapper(*args, **kwargs):
         from megatron_core.distributed import destroy_distributed
@@ -218,9 +248,20 @@ def _destroys_what_it_started(train_fn):
 
 
 @_destroys_what_it_started
-def train(recipe: Recipe, run_dir, data_prefix, tokenizer_files=None, load=None, save=None, *,
-          save_optim: bool = True, vocab_size: Optional[int] = None, datasets=None, fallback: bool = True,
-          from_scratch: bool = False) -> dict:
+def train(
+    recipe: Recipe,
+    run_dir,
+    data_prefix,
+    tokenizer_files=None,
+    load=None,
+    save=None,
+    *,
+    save_optim: bool = True,
+    vocab_size: Optional[int] = None,
+    datasets=None,
+    fallback: bool = True,
+    from_scratch: bool = False,
+) -> dict:
     """Train `recipe`; outputs under `run_dir` (checkpoints default to run_dir/checkpoints and
     resume from there). `datasets` (train, valid, test) replaces building them from data_prefix."""
     from megatron_core.distributed import init_distributed
@@ -236,14 +277,20 @@ def train(recipe: Recipe, run_dir, data_prefix, tokenizer_files=None, load=None,
     # The backend follows where the recipe trains: a CPU recipe talks gloo even on a GPU host
     # (None: NCCL where CUDA is, gloo elsewhere). MEGATRON_DISTRIBUTED_BACKEND=gloo lets several ranks
     # share one GPU (NCCL refuses two ranks on a device): bench/gpu_check.py's 8-rank layout check.
-    info = init_distributed(backend=os.environ.get("MEGATRON_DISTRIBUTED_BACKEND") or
-                            ("gloo" if t.device == "cpu" else None))
+    info = init_distributed(
+        backend=os.environ.get("MEGATRON_DISTRIBUTED_BACKEND") or ("gloo" if t.device == "cpu" else None)
+    )
     if info.world_size != p.world_size:
-        raise TrainingConfigError(f"the recipe's parallel.world_size is {p.world_size} but {info.world_size} "
-                                  "processes were started; launch with that many (invoke train) or --set world_size=N")
+        raise TrainingConfigError(
+            f"the recipe's parallel.world_size is {p.world_size} but {info.world_size} "
+            "processes were started; launch with that many (invoke train) or --set world_size=N"
+        )
     if info.world_size > 1:
-        ps.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                                     p.virtual_pipeline_model_parallel_size(recipe.model.num_layers))
+        ps.initialize_model_parallel(
+            p.tensor_model_parallel_size,
+            p.pipeline_model_parallel_size,
+            p.virtual_pipeline_model_parallel_size(recipe.model.num_layers),
+        )
     device = choose_device(t.device, info.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -266,10 +313,14 @@ def train(recipe: Recipe, run_dir, data_prefix, tokenizer_files=None, load=None,
         padded_vocab = recipe.padded_vocab_size(_vocab_size(tokenizer_files, vocab_size))
         fusions, model, inner_model, optimizer = build_model_and_optimizer(recipe, padded_vocab, device)
         try:
-            check_can_save(run_dir, Path(save) if save else run_dir / "checkpoints", parameters=sum(
-                x.numel() for x in inner_model.parameters()) * p.tensor_model_parallel_size *
-                p.pipeline_model_parallel_size,
-                bytes_per_parameter=dtype.itemsize + (12 if save_optim else 0))  # + fp32 master, exp_avg, exp_avg_sq
+            check_can_save(
+                run_dir,
+                Path(save) if save else run_dir / "checkpoints",
+                parameters=sum(x.numel() for x in inner_model.parameters())
+                * p.tensor_model_parallel_size
+                * p.pipeline_model_parallel_size,
+                bytes_per_parameter=dtype.itemsize + (12 if save_optim else 0),
+            )  # + fp32 master, exp_avg, exp_avg_sq
             cannot_save = None
         except UserError as exc:
             cannot_save = exc
@@ -289,25 +340,51 @@ def train(recipe: Recipe, run_dir, data_prefix, tokenizer_files=None, load=None,
         logger.info(f"recipe: {recipe.describe()}")
         logger.info(f"recipe source: {recipe.source or '<in memory>'}; overrides: {recipe.overrides or 'none'}")
         vpp = p.virtual_pipeline_model_parallel_size(recipe.model.num_layers)
-        schedule = (f" (interleaved 1F1B, {vpp} virtual stages of {p.num_layers_per_virtual_pipeline_stage} layers "
-                    "per rank)" if vpp is not None else "")
-        logger.info(f"layout: world {p.world_size} = TP {p.tensor_model_parallel_size} x PP "
-                    f"{p.pipeline_model_parallel_size}{schedule} x DP {p.data_parallel_size}; "
-                    f"micro batch {t.micro_batch_size}, "
-                    f"{recipe.num_micro_batches} micro batches per iteration, global batch {t.global_batch_size}")
-        logger.info(f"device: {name}; precision: {precision}; parameters on this rank: {n_params:,}; "
-                    f"padded vocab {padded_vocab}")
+        schedule = (
+            f" (interleaved 1F1B, {vpp} virtual stages of {p.num_layers_per_virtual_pipeline_stage} layers per rank)"
+            if vpp is not None
+            else ""
+        )
+        logger.info(
+            f"layout: world {p.world_size} = TP {p.tensor_model_parallel_size} x PP "
+            f"{p.pipeline_model_parallel_size}{schedule} x DP {p.data_parallel_size}; "
+            f"micro batch {t.micro_batch_size}, "
+            f"{recipe.num_micro_batches} micro batches per iteration, global batch {t.global_batch_size}"
+        )
+        logger.info(
+            f"device: {name}; precision: {precision}; parameters on this rank: {n_params:,}; "
+            f"padded vocab {padded_vocab}"
+        )
         logger.info(precision_regime(recipe))
-        logger.info(f"optimizer: {optimizer.description} (apex FusedAdam importable: "
-                    f"{bool(apex.get('apex.optimizers.FusedAdam') and apex.get('amp_C'))})")
+        logger.info(
+            f"optimizer: {optimizer.description} (apex FusedAdam importable: "
+            f"{bool(apex.get('apex.optimizers.FusedAdam') and apex.get('amp_C'))})"
+        )
         logger.info(f"{inner_model.describe_backends()}; compile: {t.compile}")
-        logger.info(f"lr: {t.lr_decay_style} from {t.lr} to {t.min_lr}, warmup {t.lr_warmup_iters}, "
-                    f"decay iters {t.decay_iters}; clip_grad {t.clip_grad}; weight decay {t.weight_decay}")
+        logger.info(
+            f"lr: {t.lr_decay_style} from {t.lr} to {t.min_lr}, warmup {t.lr_warmup_iters}, "
+            f"decay iters {t.decay_iters}; clip_grad {t.clip_grad}; weight decay {t.weight_decay}"
+        )
         logger.info(f"run directory: {run_dir}; checkpoints: save {save}, load {load}")
-        trainer = Trainer(recipe, model, datasets, padded_vocab, run_dir, optimizer=optimizer, device=device, save=save,
-                          load=load, save_optim=save_optim, params_dtype=str(dtype).replace("torch.", ""),
-                          logger=logger, device_name=name, precision=precision, tokenizer_files=tokenizer_files,
-                          resume_fallback=fallback, from_scratch=from_scratch)
+        trainer = Trainer(
+            recipe,
+            model,
+            datasets,
+            padded_vocab,
+            run_dir,
+            optimizer=optimizer,
+            device=device,
+            save=save,
+            load=load,
+            save_optim=save_optim,
+            params_dtype=str(dtype).replace("torch.", ""),
+            logger=logger,
+            device_name=name,
+            precision=precision,
+            tokenizer_files=tokenizer_files,
+            resume_fallback=fallback,
+            from_scratch=from_scratch,
+        )
         return trainer.fit()
     finally:
         run_lock.release(lock)
@@ -319,19 +396,30 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--workdir", default=DEFAULT_WORKDIR)
     parser.add_argument("--run-dir", help="run directory (default: {workdir}/{recipe}/runs/{hash})")
-    parser.add_argument("--data-path", "--data-prefix", dest="data_path", nargs="+",
-                        help="preprocessed prefix, or a blend w1 p1 w2 p2 ...")
+    parser.add_argument(
+        "--data-path",
+        "--data-prefix",
+        dest="data_path",
+        nargs="+",
+        help="preprocessed prefix, or a blend w1 p1 w2 p2 ...",
+    )
     parser.add_argument("--vocab-file")
     parser.add_argument("--merge-file")
     parser.add_argument("--vocab-size", type=int, help="vocabulary size when no tokenizer files are given")
     parser.add_argument("--load", help="checkpoint directory to resume from (default: the --save directory)")
     parser.add_argument("--save", help="checkpoint directory (default: {run-dir}/checkpoints)")
     parser.add_argument("--no-save-optim", action="store_true", help="write model-only checkpoints")
-    parser.add_argument("--no-fallback", action="store_true",
-                        help="refuse to resume when the latest checkpoint fails verification (default: fall back "
-                             "to the newest older one that verifies)")
-    parser.add_argument("--from-scratch", action="store_true",
-                        help="start from iteration 0 even where checkpoints exist (their saves replace them)")
+    parser.add_argument(
+        "--no-fallback",
+        action="store_true",
+        help="refuse to resume when the latest checkpoint fails verification (default: fall back "
+        "to the newest older one that verifies)",
+    )
+    parser.add_argument(
+        "--from-scratch",
+        action="store_true",
+        help="start from iteration 0 even where checkpoints exist (their saves replace them)",
+    )
     return parser.parse_args(argv)
 
 
@@ -347,17 +435,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         run_dir = Path(args.run_dir) if args.run_dir else workflow.run_dir(recipe, args.workdir)  # as the tasks name it
         tokenizer_files = (args.vocab_file, args.merge_file) if args.vocab_file else None
         # The writer rank prints `summary: {...}` and writes run_dir/summary.json (Trainer.fit).
-        summary = train(recipe, run_dir, args.data_path, tokenizer_files, load=args.load, save=args.save,
-                        save_optim=not args.no_save_optim, vocab_size=args.vocab_size,
-                        fallback=not args.no_fallback, from_scratch=args.from_scratch)
+        summary = train(
+            recipe,
+            run_dir,
+            args.data_path,
+            tokenizer_files,
+            load=args.load,
+            save=args.save,
+            save_optim=not args.no_save_optim,
+            vocab_size=args.vocab_size,
+            fallback=not args.no_fallback,
+            from_scratch=args.from_scratch,
+        )
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if summary.get("stopped_by"):  # saved, but not finished: a scheduler or a pipeline must not read success
         if ps.is_local_rank_zero():
-            print(f"stopped by {summary['stopped_by']} at iteration {summary['iteration']} of "
-                  f"{recipe.training.train_iters} (checkpoint {summary['checkpoint']}); run the same command "
-                  "again to resume", file=sys.stderr, flush=True)
+            print(
+                f"stopped by {summary['stopped_by']} at iteration {summary['iteration']} of "
+                f"{recipe.training.train_iters} (checkpoint {summary['checkpoint']}); run the same command "
+                "again to resume",
+                file=sys.stderr,
+                flush=True,
+            )
         return 128 + signal.Signals[summary["stopped_by"]].value
     return 0
 

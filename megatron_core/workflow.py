@@ -153,9 +153,7 @@ def ensure_corpus(recipe: Recipe, workdir, force: bool = False) -> Step:
 
     def build(tmp: Path) -> dict:
         c = recipe.corpus
-        summary = build_corpus(
-            c.sources, tmp / "corpus.jsonl", max_documents=c.max_documents, max_bytes=c.max_bytes
-        )
+        summary = build_corpus(c.sources, tmp / "corpus.jsonl", max_documents=c.max_documents, max_bytes=c.max_bytes)
         return {"corpus": "corpus.jsonl", "summary": summary}
 
     return _build(step_dir(recipe, workdir, "corpus"), recipe, build, force)
@@ -165,8 +163,10 @@ def _done_step(recipe: Recipe, workdir, stage: str, task: str) -> Step:
     """A finished step's directory, or a clear error naming the task that builds it (never builds)."""
     step = step_dir(recipe, workdir, stage)
     if not step.done:
-        raise UserError(f"the {stage} step of recipe {recipe.name} is not built under {workdir} "
-                        f"({step.directory} is missing): run `invoke {task} --recipe {recipe.name}` first")
+        raise UserError(
+            f"the {stage} step of recipe {recipe.name} is not built under {workdir} "
+            f"({step.directory} is missing): run `invoke {task} --recipe {recipe.name}` first"
+        )
     return step
 
 
@@ -255,8 +255,10 @@ def _iter_corpus_texts(path: Path, keys: list):
             if not found:
                 other_keys.update(k for k, v in doc.items() if isinstance(v, str))
     if not found and other_keys:
-        raise UserError(f"the corpus {path} has no text under data.json_keys {list(keys)}; its documents have "
-                        f"{', '.join(sorted(other_keys))}: set data.json_keys (e.g. --set data.json_keys=[content])")
+        raise UserError(
+            f"the corpus {path} has no text under data.json_keys {list(keys)}; its documents have "
+            f"{', '.join(sorted(other_keys))}: set data.json_keys (e.g. --set data.json_keys=[content])"
+        )
 
 
 @_reports_once

@@ -30,8 +30,9 @@ def _child(rank: int, world_size: int, port: int, backend: str, fn: Callable, ar
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
+    )
     try:
         dist.init_process_group(backend, rank=rank, world_size=world_size)
         value = fn(*args)
@@ -51,8 +52,14 @@ def _child(rank: int, world_size: int, port: int, backend: str, fn: Callable, ar
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S,
-                    backend: str = "gloo", start_method: str = "fork") -> list:
+def run_distributed(
+    fn: Callable,
+    world_size: int,
+    *args: Any,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    backend: str = "gloo",
+    start_method: str = "fork",
+) -> list:
     """Run `fn(*args)` on `world_size` ranks; return the list of return values by rank.
 
     `fork` (the default) starts ranks in milliseconds instead of re-importing torch in each
@@ -61,8 +68,10 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     ctx = mp.get_context(start_method)
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, world_size, port, backend, fn, args, results), daemon=True)
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_child, args=(r, world_size, port, backend, fn, args, results), daemon=True)
+        for r in range(world_size)
+    ]
     for proc in procs:
         proc.start()
     collected: dict[int, Any] = {}
@@ -73,8 +82,10 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(set(range(world_size)) - set(collected))
-                raise TimeoutError(f"run_distributed({fn.__name__}): ranks {missing} did not finish "
-                                   f"within {timeout:.0f}s" + ("".join(failures) and "\n" + "\n".join(failures)))
+                raise TimeoutError(
+                    f"run_distributed({fn.__name__}): ranks {missing} did not finish "
+                    f"within {timeout:.0f}s" + ("".join(failures) and "\n" + "\n".join(failures))
+                )
             try:
                 rank, ok, payload = results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
@@ -82,8 +93,10 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
                 if dead and results.empty():
                     time.sleep(0.5)  # a result may still be in flight from a rank that just exited
                     if results.empty():
-                        raise RuntimeError(f"run_distributed({fn.__name__}): rank(s) {dead} exited with codes "
-                                           f"{[procs[i].exitcode for i in dead]} without a result") from None
+                        raise RuntimeError(
+                            f"run_distributed({fn.__name__}): rank(s) {dead} exited with codes "
+                            f"{[procs[i].exitcode for i in dead]} without a result"
+                        ) from None
                 continue
             if ok:
                 collected[rank] = torch.load(io.BytesIO(payload), weights_only=False)

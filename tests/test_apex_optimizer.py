@@ -27,12 +27,25 @@ STEPS = 5
 class ApexFusedAdam(torch.optim.Optimizer):
     """Apex's FusedAdam update rule in plain torch (fp32 math, as its kernel's MATH_T)."""
 
-    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
-                 weight_decay=0.0, amsgrad=False, _set_grad_none=True, capturable=False, master_weights=False):
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        bias_correction=True,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        adam_w_mode=True,
+        weight_decay=0.0,
+        amsgrad=False,
+        _set_grad_none=True,
+        capturable=False,
+        master_weights=False,
+    ):
         if amsgrad or capturable or master_weights:
             raise RuntimeError("the stand-in implements Apex's default, non-capturable path only")
-        super().__init__(params, dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
-                                      weight_decay=weight_decay))
+        super().__init__(
+            params, dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay)
+        )
         self.adam_w_mode = 1 if adam_w_mode else 0
 
     @torch.no_grad()
@@ -44,8 +57,8 @@ class ApexFusedAdam(torch.optim.Optimizer):
             group["step"] = group["step"] + 1 if "step" in group else 1
             beta1, beta2 = group["betas"]
             step, decay, lr, eps = group["step"], group["weight_decay"], group["lr"], group["eps"]
-            correction1 = 1 - beta1 ** step if group["bias_correction"] else 1.0
-            correction2 = 1 - beta2 ** step if group["bias_correction"] else 1.0
+            correction1 = 1 - beta1**step if group["bias_correction"] else 1.0
+            correction2 = 1 - beta2**step if group["bias_correction"] else 1.0
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -65,8 +78,15 @@ class ApexFusedAdam(torch.optim.Optimizer):
 
 
 def _optimizer(model, precision: str, apex: bool, scaler=None) -> MegatronOptimizer:
-    opt = MegatronOptimizer(model, SETTINGS, precision=precision, clip_grad=1.0, grad_scaler=scaler,
-                            device=torch.device("cpu"), fused_adam_cls=ApexFusedAdam if apex else None)
+    opt = MegatronOptimizer(
+        model,
+        SETTINGS,
+        precision=precision,
+        clip_grad=1.0,
+        grad_scaler=scaler,
+        device=torch.device("cpu"),
+        fused_adam_cls=ApexFusedAdam if apex else None,
+    )
     assert isinstance(opt.optimizer, ApexFusedAdam) == apex  # the wrapper steps through the class it was given
     return opt
 
@@ -121,8 +141,9 @@ def test_apex_path_equals_torch_adamw_step_for_step(precision, dtype):
     assert torch_opt.state_dict()["step"] == apex_opt.state_dict()["step"] == STEPS
 
 
-@pytest.mark.parametrize("first, then", [(False, True), (True, False), (True, True)], ids=["torch-apex", "apex-torch",
-                                                                                          "apex-apex"])
+@pytest.mark.parametrize(
+    "first, then", [(False, True), (True, False), (True, True)], ids=["torch-apex", "apex-torch", "apex-apex"]
+)
 def test_resume_between_optimizers_keeps_the_step_count(first, then):
     """3 steps, a checkpoint (state_dict), a fresh optimizer of the other kind loading it, 2 more steps:
     the same as 5 uninterrupted torch steps. Bias correction reads the restored count: a group
@@ -172,8 +193,11 @@ def test_optimizer_key_defaults_to_torch_adamw_and_names_the_run():
 
 
 def test_apex_on_a_cpu_recipe_is_refused_at_load():
-    with pytest.raises(UserError, match=r"^training.optimizer 'apex' \(Apex's FusedAdam\) runs on CUDA only but "
-                                        r"training.device is cpu: use --set optimizer=adam"):
+    with pytest.raises(
+        UserError,
+        match=r"^training.optimizer 'apex' \(Apex's FusedAdam\) runs on CUDA only but "
+        r"training.device is cpu: use --set optimizer=adam",
+    ):
         load_recipe("smoke", ["optimizer=apex", "device=cpu"])
 
 
@@ -187,15 +211,25 @@ def test_apex_refused_before_any_work_where_it_cannot_run(monkeypatch):
         pretrain_gpt.check_training_values(recipe)
     # a GPU host without Apex's CUDA extensions
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(apex_module, "apex_status", lambda: {
-        "apex": False, "amp_C": False, "fused_layer_norm_cuda": False, "apex.optimizers.FusedAdam": False,
-        "errors": {"apex.optimizers.FusedAdam": "ModuleNotFoundError: No module named 'apex'"}})
+    monkeypatch.setattr(
+        apex_module,
+        "apex_status",
+        lambda: {
+            "apex": False,
+            "amp_C": False,
+            "fused_layer_norm_cuda": False,
+            "apex.optimizers.FusedAdam": False,
+            "errors": {"apex.optimizers.FusedAdam": "ModuleNotFoundError: No module named 'apex'"},
+        },
+    )
     with pytest.raises(pretrain_gpt.TrainingConfigError) as info:
         pretrain_gpt.check_training_values(recipe)
     message = str(info.value)
     assert "\n" not in message
-    assert ("needs Apex's FusedAdam with its CUDA extensions, but apex.optimizers.FusedAdam and amp_C do not "
-            "import here (ModuleNotFoundError: No module named 'apex')") in message
+    assert (
+        "needs Apex's FusedAdam with its CUDA extensions, but apex.optimizers.FusedAdam and amp_C do not "
+        "import here (ModuleNotFoundError: No module named 'apex')"
+    ) in message
     assert message.endswith("or use --set optimizer=adam")
 
 
@@ -203,8 +237,14 @@ def test_build_model_and_optimizer_picks_the_recipes_optimizer(monkeypatch):
     from megatron_core import pretrain_gpt
     from megatron_core.fusions import apex as apex_module
 
-    tiny = ["num_layers=1", "hidden_size=16", "num_attention_heads=2", "seq_length=8", "max_position_embeddings=8",
-            "fusions=torch"]
+    tiny = [
+        "num_layers=1",
+        "hidden_size=16",
+        "num_attention_heads=2",
+        "seq_length=8",
+        "max_position_embeddings=8",
+        "fusions=torch",
+    ]
     # Apex importable and working (the stand-in): still torch's AdamW unless the recipe asks
     monkeypatch.setattr(apex_module, "fused_adam_problem", lambda _device_type: None)
     monkeypatch.setattr(apex_module, "fused_adam_class", lambda: ApexFusedAdam)

@@ -47,9 +47,26 @@ def test_the_reference_against_itself_agrees_to_the_bit(workdir):
 @pytest.mark.slow
 def test_triton_candidate_in_the_interpreter_matches_torch_in_fp32(workdir, tmp_path):
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, "-m", "bench.drift", "--recipe", "smoke", "--workdir", str(workdir),
-                             "--fusions", "triton", "--results-dir", str(tmp_path)],
-                            capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.drift",
+            "--recipe",
+            "smoke",
+            "--workdir",
+            str(workdir),
+            "--fusions",
+            "triton",
+            "--results-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     printed = json.loads(result.stdout.strip().splitlines()[-1])
     assert json.loads(Path(printed["results_file"]).read_text())["verdict"] == printed["verdict"]

@@ -11,9 +11,29 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_bench_eval_writes_the_ratio_and_refuses_bad_flags(tmp_path):
     common = [sys.executable, "-m", "bench.eval", "--results-dir", str(tmp_path)]
-    ok = subprocess.run(common + ["--problems", "1", "--samples", "2", "--batch", "2", "--max-new-tokens", "6",
-                                  "--repeats", "1", "--vocab-size", "512", "--threads", "1"],
-                        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    ok = subprocess.run(
+        common
+        + [
+            "--problems",
+            "1",
+            "--samples",
+            "2",
+            "--batch",
+            "2",
+            "--max-new-tokens",
+            "6",
+            "--repeats",
+            "1",
+            "--vocab-size",
+            "512",
+            "--threads",
+            "1",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert ok.returncode == 0, ok.stderr[-2000:]
     result = json.loads(ok.stdout.strip().splitlines()[-1])
     greedy = result["greedy_check"]
@@ -24,7 +44,8 @@ def test_bench_eval_writes_the_ratio_and_refuses_bad_flags(tmp_path):
     written = json.loads(Path(result["results_file"]).read_text())
     assert written == {k: v for k, v in result.items() if k != "results_file"}
     assert Path(result["results_file"]).parent == tmp_path
-    bad = subprocess.run(common + ["--samples", "6", "--batch", "4"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
+    bad = subprocess.run(
+        common + ["--samples", "6", "--batch", "4"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert bad.returncode == 2 and bad.stderr.startswith("error: need --problems")
     assert "--samples a multiple" in bad.stderr

@@ -26,9 +26,12 @@ class _Profile:
     """What time_table reads of a CUDA profile: key_averages() rows (key, count, self times, device type)."""
 
     def __init__(self, rows):
-        self.rows = [SimpleNamespace(key=key, count=count, self_device_time_total=device_us,
-                                     self_cpu_time_total=cpu_us, device_type=kind)
-                     for key, count, device_us, cpu_us, kind in rows]
+        self.rows = [
+            SimpleNamespace(
+                key=key, count=count, self_device_time_total=device_us, self_cpu_time_total=cpu_us, device_type=kind
+            )
+            for key, count, device_us, cpu_us, kind in rows
+        ]
 
     def key_averages(self):
         return self.rows
@@ -37,13 +40,15 @@ class _Profile:
 def test_cuda_table_counts_each_kernel_once_not_again_through_the_op_that_launched_it():
     # As torch.profiler reports a CUDA step: the CPU op that launched a kernel carries that kernel's time as
     # its own "self device time", and the kernel's event carries it too (stop 20's profiles summed both).
-    prof = _Profile([
-        ("aten::mm", 6, 3000.0, 90.0, DeviceType.CPU),
-        ("nvjet_sm90_gemm", 6, 3000.0, 0.0, DeviceType.CUDA),
-        ("megatron_fusions::layer_norm_bwd", 3, 1000.0, 60.0, DeviceType.CPU),
-        ("_layer_norm_bwd_kernel", 3, 1000.0, 0.0, DeviceType.CUDA),
-        ("aten::view", 9, 0.0, 5.0, DeviceType.CPU),
-    ])
+    prof = _Profile(
+        [
+            ("aten::mm", 6, 3000.0, 90.0, DeviceType.CPU),
+            ("nvjet_sm90_gemm", 6, 3000.0, 0.0, DeviceType.CUDA),
+            ("megatron_fusions::layer_norm_bwd", 3, 1000.0, 60.0, DeviceType.CPU),
+            ("_layer_norm_bwd_kernel", 3, 1000.0, 0.0, DeviceType.CUDA),
+            ("aten::view", 9, 0.0, 5.0, DeviceType.CPU),
+        ]
+    )
     total, table = time_table(prof, 3, "cuda", unit="step")
     assert [row["op"] for row in table] == ["nvjet_sm90_gemm", "_layer_norm_bwd_kernel"]
     assert abs(total - 4000.0 / 1e3 / 3) < 1e-12
@@ -71,9 +76,11 @@ def test_matmul_split_adds_the_gemm_ops_of_a_cpu_profile_and_leaves_the_rest_to_
 
 
 def test_matmul_split_of_a_cuda_table_goes_by_kernel_name():
-    table = [{"op": "nvjet_sm90_tst_192x192_64x3_2x1_v_bz_coopB_NNN", "ms_per_step": 7.0},
-             {"op": "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_kernel0_0", "ms_per_step": 4.0},
-             {"op": "sm80_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize96x128x32", "ms_per_step": 2.0},
-             {"op": "_layer_norm_bwd_kernel", "ms_per_step": 3.0},
-             {"op": "void at::native::elementwise_kernel<128, 4, CUDAFunctor_add<float>>", "ms_per_step": 1.5}]
+    table = [
+        {"op": "nvjet_sm90_tst_192x192_64x3_2x1_v_bz_coopB_NNN", "ms_per_step": 7.0},
+        {"op": "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_kernel0_0", "ms_per_step": 4.0},
+        {"op": "sm80_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize96x128x32", "ms_per_step": 2.0},
+        {"op": "_layer_norm_bwd_kernel", "ms_per_step": 3.0},
+        {"op": "void at::native::elementwise_kernel<128, 4, CUDAFunctor_add<float>>", "ms_per_step": 1.5},
+    ]
     assert matmul_split(table, "cuda") == {"matmul_ms_per_step": 13.0, "other_ms_per_step": 4.5}

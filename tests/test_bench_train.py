@@ -17,8 +17,18 @@ def smoke_bench(tmp_path_factory):
 
     results = tmp_path_factory.mktemp("bench-results")
     workdir = tmp_path_factory.mktemp("bench-work")
-    result = bench_train.run("smoke", [], str(workdir), iters=2, warmup=1, repeats=2, baseline="hf",
-                             echo=lambda _: None, results_dir=results, rounds=3)
+    result = bench_train.run(
+        "smoke",
+        [],
+        str(workdir),
+        iters=2,
+        warmup=1,
+        repeats=2,
+        baseline="hf",
+        echo=lambda _: None,
+        results_dir=results,
+        rounds=3,
+    )
     return result, results, workdir
 
 
@@ -34,8 +44,11 @@ def test_same_work_and_promised_keys(smoke_bench):
     paired = result["paired"]
     assert paired["rounds"] == 3 and paired["steps_per_round"] == 2
     assert set(paired["ms_median"]) == {"ours", "baseline", "gemm"}
-    for key, value in (("ratio", result["ratio"]), ("ratio_bound", result["ratio_bound"]),
-                       ("fraction_of_gemm", result["fraction_of_gemm"])):
+    for key, value in (
+        ("ratio", result["ratio"]),
+        ("ratio_bound", result["ratio_bound"]),
+        ("fraction_of_gemm", result["fraction_of_gemm"]),
+    ):
         low, median, high = paired[f"{key}_quartiles"]
         assert 0 < low <= median <= high and value == median
     assert result["ratio_best_runs"] == pytest.approx(result["ours_tokens_per_s"] / result["baseline_tokens_per_s"])
@@ -58,10 +71,12 @@ def test_same_work_and_promised_keys(smoke_bench):
     split = result["ours_step_split"]  # the whole profile, matmuls and the rest, beside the roofline
     assert split["matmul_ms_per_step"] > 0 and split["other_ms_per_step"] > 0
     assert split["matmul_over_roofline"] == pytest.approx(
-        split["matmul_ms_per_step"] / result["roofline"]["gemm_ms_per_iteration"])
+        split["matmul_ms_per_step"] / result["roofline"]["gemm_ms_per_iteration"]
+    )
     assert set(split) == {"matmul_ms_per_step", "other_ms_per_step", "matmul_over_roofline"}
-    assert split["matmul_ms_per_step"] >= sum(row["ms_per_step"] for row in result["ours_profile"]
-                                              if profiling.is_matmul(row["op"], "cpu"))
+    assert split["matmul_ms_per_step"] >= sum(
+        row["ms_per_step"] for row in result["ours_profile"] if profiling.is_matmul(row["op"], "cpu")
+    )
     assert set(result["regime"]) == {"ours", "baseline"}
     assert result["ours_backends"].endswith("training.compile: False")  # whether the stage ran through torch.compile
     assert Path(result["results_file"]).parent == results
@@ -81,25 +96,66 @@ def test_no_batch_reader_outlives_the_run(smoke_bench, tmp_path, monkeypatch):
         return made[-1]
 
     monkeypatch.setattr(data_iterators, "batch_iterator", recording)
-    bench_train.run("smoke", [], str(smoke_bench[2]), iters=1, warmup=0, repeats=1, baseline="hf",
-                    echo=lambda _: None, results_dir=tmp_path, profile_steps=0, rounds=1)
+    bench_train.run(
+        "smoke",
+        [],
+        str(smoke_bench[2]),
+        iters=1,
+        warmup=0,
+        repeats=1,
+        baseline="hf",
+        echo=lambda _: None,
+        results_dir=tmp_path,
+        profile_steps=0,
+        rounds=1,
+    )
     assert len(made) >= 2 and not [it for it in made if it._thread.is_alive()]
 
 
 def test_cli_prints_json_last_and_refuses_bad_input(smoke_bench, tmp_path):
     _, _, workdir = smoke_bench
-    ok = subprocess.run([sys.executable, "-m", "bench.train", "--recipe", "smoke", "--workdir", str(workdir),
-                         "--iters", "1", "--warmup", "0", "--repeats", "1", "--results-dir", str(tmp_path)],
-                        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    ok = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.train",
+            "--recipe",
+            "smoke",
+            "--workdir",
+            str(workdir),
+            "--iters",
+            "1",
+            "--warmup",
+            "0",
+            "--repeats",
+            "1",
+            "--results-dir",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert ok.returncode == 0, ok.stderr
     last = json.loads(ok.stdout.strip().splitlines()[-1])
     assert last["ours_tokens_per_s"] > 0 and "ratio" not in last  # no baseline asked, no ratio made up
     assert Path(last["results_file"]).parent == tmp_path
-    bad = subprocess.run([sys.executable, "-m", "bench.train", "--recipe", "smoke", "--workdir", str(workdir),
-                          "--iters", "0"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "bench.train", "--recipe", "smoke", "--workdir", str(workdir), "--iters", "0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and bad.stderr.startswith("error: need --iters >= 1")
-    multi = subprocess.run([sys.executable, "-m", "bench.train", "--recipe", "smoke-tp2pp2", "--workdir",
-                            str(workdir)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    multi = subprocess.run(
+        [sys.executable, "-m", "bench.train", "--recipe", "smoke-tp2pp2", "--workdir", str(workdir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert multi.returncode == 2 and "times one device" in multi.stderr
 
 
@@ -109,8 +165,19 @@ def test_bf16_baseline_does_the_same_work_with_16_bit_weights_and_fp32_masters(s
     import bench.train as bench_train
 
     _, _, workdir = smoke_bench
-    result = bench_train.run("smoke", ["bf16=true"], str(workdir), iters=1, warmup=0, repeats=1, baseline="hf",
-                             echo=lambda _: None, results_dir=tmp_path, rounds=1, allow_emulated_gemm=True)
+    result = bench_train.run(
+        "smoke",
+        ["bf16=true"],
+        str(workdir),
+        iters=1,
+        warmup=0,
+        repeats=1,
+        baseline="hf",
+        echo=lambda _: None,
+        results_dir=tmp_path,
+        rounds=1,
+        allow_emulated_gemm=True,
+    )
     # Where bf16 matmuls are emulated (a CPU without AVX512-BF16/AMX) the figures are kept, never judged.
     assert result["gemm_check"]["dtype"] == "bfloat16"
     if result["gemm_check"]["native"]:
@@ -155,8 +222,18 @@ def test_emulated_gemms_are_refused_in_one_line_before_any_data_step(tmp_path, m
 
     monkeypatch.setattr(roofline, "NATIVE_FRACTION_OF_FP32", float("inf"))
     workdir = tmp_path / "work"
-    rc = bench_train.main(["--recipe", "smoke", "--set", "bf16=true", "--workdir", str(workdir),
-                           "--results-dir", str(tmp_path / "results")])
+    rc = bench_train.main(
+        [
+            "--recipe",
+            "smoke",
+            "--set",
+            "bf16=true",
+            "--workdir",
+            str(workdir),
+            "--results-dir",
+            str(tmp_path / "results"),
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1
     assert err.startswith("error: bfloat16 matmuls are emulated here (") and "--allow-emulated-gemm" in err

@@ -50,7 +50,7 @@ def _saved_embedding(save: Path, iteration: int) -> torch.Tensor:
 def _flip_bytes(path: Path, count: int = 16) -> None:
     data = bytearray(path.read_bytes())
     middle = len(data) // 2
-    data[middle:middle + count] = bytes(b ^ 0xFF for b in data[middle:middle + count])
+    data[middle : middle + count] = bytes(b ^ 0xFF for b in data[middle : middle + count])
     path.write_bytes(bytes(data))
 
 
@@ -60,6 +60,7 @@ def _iterations_in_metrics(run_dir: Path) -> list[int]:
 
 # -- manifest and pruning -----------------------------------------------------------------------------
 
+
 def test_manifest_lists_every_file_and_old_iterations_are_pruned(finished):
     save = finished / "checkpoints"
     assert sorted(p.name for p in save.glob("iter_*")) == ["iter_0000008", "iter_0000012"]
@@ -67,8 +68,11 @@ def test_manifest_lists_every_file_and_old_iterations_are_pruned(finished):
         where = cf.iteration_dir(save, iteration)
         manifest = json.loads((where / cf.MANIFEST_FILENAME).read_text())
         files = sorted(p.relative_to(where).as_posix() for p in where.rglob("*") if p.is_file())
-        assert sorted(manifest["files"]) == [f for f in files if f != cf.MANIFEST_FILENAME] == \
-            ["mp_rank_00/model_optim_rng.pt"]
+        assert (
+            sorted(manifest["files"])
+            == [f for f in files if f != cf.MANIFEST_FILENAME]
+            == ["mp_rank_00/model_optim_rng.pt"]
+        )
         size, crc = cf._crc32_file(where / "mp_rank_00" / "model_optim_rng.pt")
         assert manifest["files"]["mp_rank_00/model_optim_rng.pt"] == {"size": size, "crc32": f"{crc:08x}"}
 
@@ -82,6 +86,7 @@ def test_keep_last_checkpoints(tmp_path, keep_last, kept):
 
 
 # -- verification and fallback ------------------------------------------------------------------------
+
 
 def test_flipped_bytes_fall_back_to_the_previous_iteration(run, corpus, capsys):
     save = run / "checkpoints"
@@ -118,8 +123,9 @@ def test_a_truncated_rank_file_of_an_old_checkpoint_without_manifest_falls_back(
     assert ckpt.load_latest(save, log=lines.append)[0] == 8
     assert any("cannot read checkpoint" in line for line in lines), lines
     # loading without verification is said, not silent
-    assert lines[-1] == f"{cf.iteration_dir(save, 8)} has no manifest: its files are loaded without checksum " \
-                        "verification", lines
+    assert (
+        lines[-1] == f"{cf.iteration_dir(save, 8)} has no manifest: its files are loaded without checksum verification"
+    ), lines
 
 
 def test_every_iteration_damaged_refuses_unless_from_scratch(run, corpus):
@@ -134,6 +140,7 @@ def test_every_iteration_damaged_refuses_unless_from_scratch(run, corpus):
 
 
 # -- tracker-free recovery ----------------------------------------------------------------------------
+
 
 def test_deleted_tracker_resumes_from_the_newest_iteration(run, corpus, capsys):
     save = run / "checkpoints"
@@ -170,6 +177,7 @@ def test_from_scratch_ignores_good_checkpoints_and_moves_them_aside(run, corpus)
 
 # -- publishing without a gap -------------------------------------------------------------------------
 
+
 class Killed(BaseException):
     """Stands for the process dying at this point."""
 
@@ -177,8 +185,9 @@ class Killed(BaseException):
 def _write_tiny(save: Path, iteration, value: float = 0.0, keep_last=None) -> None:
     """A model-only checkpoint whose one weight is filled with `value`."""
     weights = {"embedding.word_embeddings.weight": torch.full((4, 3), float(value))}
-    cf.write_rank_file(save, iteration, 0, 0, 1, {"args": None, "iteration": iteration,
-                                                   "model": cf.nest_model_state(weights)})
+    cf.write_rank_file(
+        save, iteration, 0, 0, 1, {"args": None, "iteration": iteration, "model": cf.nest_model_state(weights)}
+    )
     cf.publish_iteration(save, iteration, keep_last=keep_last)
 
 
@@ -210,6 +219,7 @@ def _kill_at_step(monkeypatch, step: int) -> None:
             if calls[0] == step:
                 raise Killed
             return real(*args, **kwargs)
+
         return call
 
     monkeypatch.setattr(os, "replace", dying(real_replace))
@@ -256,6 +266,7 @@ def test_a_crash_between_any_two_publish_steps_leaves_a_complete_iteration(tmp_p
 
 # -- fail fast and a full disk -------------------------------------------------------------------------
 
+
 def test_unwritable_run_directory_is_refused_before_the_first_iteration(tmp_path, corpus):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
@@ -279,8 +290,14 @@ def test_too_little_free_space_is_refused_before_the_first_iteration(tmp_path, c
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-@pytest.mark.parametrize("error", [RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 64 vs 0"),
-                                   OSError(errno.ENOSPC, "No space left on device")], ids=["torch", "oserror"])
+@pytest.mark.parametrize(
+    "error",
+    [
+        RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 64 vs 0"),
+        OSError(errno.ENOSPC, "No space left on device"),
+    ],
+    ids=["torch", "oserror"],
+)
 def test_disk_full_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(run, monkeypatch, error):
     save = run / "checkpoints"
     good = torch.load(cf.checkpoint_file(save, 12), weights_only=False)
@@ -291,8 +308,14 @@ def test_disk_full_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(r
 
     monkeypatch.setattr(torch, "save", full_disk)
     with pytest.raises(cf.CheckpointError, match="no space left on device") as info:
-        ckpt.save_checkpoint(save, 16, model_state=cf.flatten_model_state(good["model"]), args=good["args"],
-                             recipe=tiny_recipe(*RECIPE), consumed_train_samples=64)
+        ckpt.save_checkpoint(
+            save,
+            16,
+            model_state=cf.flatten_model_state(good["model"]),
+            args=good["args"],
+            recipe=tiny_recipe(*RECIPE),
+            consumed_train_samples=64,
+        )
     monkeypatch.undo()
     assert "\n" not in str(info.value) and str(cf.staging_dir(save, 16)) in str(info.value)
     assert not cf.staging_dir(save, 16).exists() and not cf.iteration_dir(save, 16).exists()

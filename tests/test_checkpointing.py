@@ -28,8 +28,6 @@ TESTS_DIR = Path(__file__).resolve().parent
 ITERS = 16
 
 
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, corpus):
     """The uninterrupted run: 16 iterations, checkpoints at 8 and 16."""
@@ -47,35 +45,68 @@ def _assert_same_losses(run_dir: Path, reference: Path, after: int) -> None:
 
 # -- layout, keys, shapes ----------------------------------------------------------------------------
 
+
 def test_checkpoint_layout_keys_and_shapes(reference):
     save = reference / "checkpoints"
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
     # No tokenizer files: trained from token ids.
-    assert sorted(p.name for p in save.iterdir()) == ["iter_0000008", "iter_0000016",
-                                                      "latest_checkpointed_iteration.txt", "recipe.yaml"]
+    assert sorted(p.name for p in save.iterdir()) == [
+        "iter_0000008",
+        "iter_0000016",
+        "latest_checkpointed_iteration.txt",
+        "recipe.yaml",
+    ]
     state = cf.load_checkpoint_file(save / "iter_0000016" / "mp_rank_00" / "model_optim_rng.pt")
-    assert set(state) >= {"args", "checkpoint_version", "iteration", "model", "optimizer", "opt_param_scheduler",
-                          "rng_state", "recipe", "recipe_hash", "consumed_train_samples"}
+    assert set(state) >= {
+        "args",
+        "checkpoint_version",
+        "iteration",
+        "model",
+        "optimizer",
+        "opt_param_scheduler",
+        "rng_state",
+        "recipe",
+        "recipe_hash",
+        "consumed_train_samples",
+    }
     assert state["checkpoint_version"] == 3.0 and state["iteration"] == ITERS
     assert state["consumed_train_samples"] == ITERS * 4
     args = state["args"]
     assert isinstance(args, argparse.Namespace)
-    assert (args.padded_vocab_size, args.max_position_embeddings, args.hidden_size, args.num_layers,
-            args.num_attention_heads, args.ffn_hidden_size) == (128, 32, 32, 2, 2, 128)
+    assert (
+        args.padded_vocab_size,
+        args.max_position_embeddings,
+        args.hidden_size,
+        args.num_layers,
+        args.num_attention_heads,
+        args.ffn_hidden_size,
+    ) == (128, 32, 32, 2, 2, 128)
     assert args.bias_gelu_fusion is True and args.openai_gelu is False and args.tokenizer_type == "GPT2BPETokenizer"
-    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.seq_length,
-            args.params_dtype) == (1, 1, 32, "float32")
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.seq_length, args.params_dtype) == (
+        1,
+        1,
+        32,
+        "float32",
+    )
     lm = state["model"]["language_model"]
     assert set(state["model"]) == {"language_model"} and set(lm) == {"embedding", "encoder"}
     assert lm["embedding"]["word_embeddings"]["weight"].shape == (128, 32)
     assert lm["embedding"]["position_embeddings"]["weight"].shape == (32, 32)
     enc = lm["encoder"]
-    expected = {"input_layernorm.weight": (32,), "input_layernorm.bias": (32,),
-                "self_attention.query_key_value.weight": (96, 32), "self_attention.query_key_value.bias": (96,),
-                "self_attention.dense.weight": (32, 32), "self_attention.dense.bias": (32,),
-                "post_attention_layernorm.weight": (32,), "post_attention_layernorm.bias": (32,),
-                "mlp.dense_h_to_4h.weight": (128, 32), "mlp.dense_h_to_4h.bias": (128,),
-                "mlp.dense_4h_to_h.weight": (32, 128), "mlp.dense_4h_to_h.bias": (32,)}
+    expected = {
+        "input_layernorm.weight": (32,),
+        "input_layernorm.bias": (32,),
+        "self_attention.query_key_value.weight": (96, 32),
+        "self_attention.query_key_value.bias": (96,),
+        "self_attention.dense.weight": (32, 32),
+        "self_attention.dense.bias": (32,),
+        "post_attention_layernorm.weight": (32,),
+        "post_attention_layernorm.bias": (32,),
+        "mlp.dense_h_to_4h.weight": (128, 32),
+        "mlp.dense_h_to_4h.bias": (128,),
+        "mlp.dense_4h_to_h.weight": (32, 128),
+        "mlp.dense_4h_to_h.bias": (32,),
+    }
     want = {f"layers.{i}.{k}": v for i in range(2) for k, v in expected.items()}
     want.update({"final_layernorm.weight": (32,), "final_layernorm.bias": (32,)})
     assert {k: tuple(v.shape) for k, v in enc.items()} == want
@@ -87,14 +118,21 @@ def test_checkpoint_layout_keys_and_shapes(reference):
 
 def test_nest_and_flatten_are_inverse_for_every_stage_kind():
     t = torch.zeros(1)
-    last_stage = {"encoder.layers.0.mlp.dense_4h_to_h.bias": t, "encoder.final_layernorm.weight": t,
-                  "word_embeddings_for_head.weight": t}
+    last_stage = {
+        "encoder.layers.0.mlp.dense_4h_to_h.bias": t,
+        "encoder.final_layernorm.weight": t,
+        "word_embeddings_for_head.weight": t,
+    }
     nested = cf.nest_model_state(last_stage)
-    assert nested == {"language_model": {"encoder": {"layers.0.mlp.dense_4h_to_h.bias": t,
-                                                     "final_layernorm.weight": t}},
-                      "word_embeddings_for_head": {"weight": t}}
-    untied = {"embedding.word_embeddings.weight": t, "embedding.position_embeddings.weight": t,
-              "output_layer.weight": t}
+    assert nested == {
+        "language_model": {"encoder": {"layers.0.mlp.dense_4h_to_h.bias": t, "final_layernorm.weight": t}},
+        "word_embeddings_for_head": {"weight": t},
+    }
+    untied = {
+        "embedding.word_embeddings.weight": t,
+        "embedding.position_embeddings.weight": t,
+        "output_layer.weight": t,
+    }
     assert cf.nest_model_state(untied)["language_model"]["output_layer"] == {"weight": t}
     for flat in (last_stage, untied):
         assert cf.flatten_model_state(cf.nest_model_state(flat)) == flat
@@ -119,6 +157,7 @@ def test_load_refuses_unlisted_globals_and_garbage(tmp_path):
 
 # -- resume ------------------------------------------------------------------------------------------
 
+
 def _checkpoint_copy(reference: Path, target: Path, iteration: int) -> Path:
     """A run directory holding only the reference's checkpoint at `iteration` and its metrics up to it."""
     save = target / "checkpoints"
@@ -140,15 +179,24 @@ def test_resume_with_changed_recipe_is_refused_unless_safe(reference, corpus, tm
     _checkpoint_copy(reference, tmp_path, 8)
     with pytest.raises(cf.CheckpointError, match=r"changed keys that alter training: training\.lr, training\.min_lr"):
         train(tiny_recipe(f"train_iters={ITERS}", "lr=1e-3", "min_lr=1e-4"), tmp_path, corpus, vocab_size=VOCAB_SIZE)
-    summary = train(tiny_recipe(f"train_iters={ITERS}", "training.log_interval=4", "save_interval=null"), tmp_path,
-                    corpus, vocab_size=VOCAB_SIZE)
+    summary = train(
+        tiny_recipe(f"train_iters={ITERS}", "training.log_interval=4", "save_interval=null"),
+        tmp_path,
+        corpus,
+        vocab_size=VOCAB_SIZE,
+    )
     assert summary["iteration"] == ITERS
 
 
 @pytest.mark.usefixtures("reference")
 def test_no_save_optim_writes_model_only(corpus, tmp_path):
-    train(tiny_recipe("train_iters=3", "lr_warmup_iters=1", "save_interval=null", "eval_iters=0"), tmp_path, corpus,
-          vocab_size=VOCAB_SIZE, save_optim=False)
+    train(
+        tiny_recipe("train_iters=3", "lr_warmup_iters=1", "save_interval=null", "eval_iters=0"),
+        tmp_path,
+        corpus,
+        vocab_size=VOCAB_SIZE,
+        save_optim=False,
+    )
     state = cf.load_checkpoint_file(cf.checkpoint_file(tmp_path / "checkpoints", 3))
     assert "optimizer" not in state and "opt_param_scheduler" not in state and "model" in state
 
@@ -166,8 +214,13 @@ _CHILD = textwrap.dedent("""
 
 def _start_child(run_dir: Path, corpus: str) -> subprocess.Popen:
     code = _CHILD.format(tests=str(TESTS_DIR), iters=ITERS, run_dir=str(run_dir), corpus=corpus)
-    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
 def _wait_for_checkpoint(run_dir: Path, child: subprocess.Popen, at_least: int, timeout: float = 90.0) -> int:
@@ -212,6 +265,7 @@ def test_sigterm_saves_exits_zero_and_resumes_exactly(reference, corpus, tmp_pat
 
 # -- atomicity ---------------------------------------------------------------------------------------
 
+
 class Killed(BaseException):
     """Stands for the process dying at this point."""
 
@@ -234,20 +288,37 @@ def test_save_killed_midway_leaves_previous_checkpoint_loadable(reference, tmp_p
     def dying_tracker(_path, _text):
         raise Killed
 
-    patch = {"mid-file": (torch, "save", dying_torch_save), "before-rename": (os, "replace", dying_replace),
-             "before-tracker": (cf, "atomic_write_text", dying_tracker)}[where]
+    patch = {
+        "mid-file": (torch, "save", dying_torch_save),
+        "before-rename": (os, "replace", dying_replace),
+        "before-tracker": (cf, "atomic_write_text", dying_tracker),
+    }[where]
     monkeypatch.setattr(*patch)
     with pytest.raises(Killed):
-        ckpt.save_checkpoint(save, 12, model_state=cf.flatten_model_state(good["model"]), args=good["args"],
-                             recipe=tiny_recipe(f"train_iters={ITERS}"), consumed_train_samples=48)
+        ckpt.save_checkpoint(
+            save,
+            12,
+            model_state=cf.flatten_model_state(good["model"]),
+            args=good["args"],
+            recipe=tiny_recipe(f"train_iters={ITERS}"),
+            consumed_train_samples=48,
+        )
     monkeypatch.undo()
     assert cf.read_tracker(save) == 8
     iteration, state = ckpt.load_latest(save)
-    assert iteration == 8 and torch.equal(state["model"]["language_model"]["embedding"]["word_embeddings"]["weight"],
-                                          good["model"]["language_model"]["embedding"]["word_embeddings"]["weight"])
+    assert iteration == 8 and torch.equal(
+        state["model"]["language_model"]["embedding"]["word_embeddings"]["weight"],
+        good["model"]["language_model"]["embedding"]["word_embeddings"]["weight"],
+    )
     # The next save cleans up and completes.
-    ckpt.save_checkpoint(save, 12, model_state=cf.flatten_model_state(good["model"]), args=good["args"],
-                         recipe=tiny_recipe(f"train_iters={ITERS}"), consumed_train_samples=48)
+    ckpt.save_checkpoint(
+        save,
+        12,
+        model_state=cf.flatten_model_state(good["model"]),
+        args=good["args"],
+        recipe=tiny_recipe(f"train_iters={ITERS}"),
+        consumed_train_samples=48,
+    )
     assert cf.read_tracker(save) == 12 and not list(save.glob("*.tmp"))
     assert ckpt.load_latest(save)[1]["consumed_train_samples"] == 48
 
@@ -261,8 +332,9 @@ def test_model_only_writer_killed_midway_leaves_previous_checkpoint(reference, t
     def dying(*_args, **_kwargs):
         raise Killed
 
-    monkeypatch.setattr(*{"mid-file": (torch, "save", dying),
-                          "before-tracker": (cf, "atomic_write_text", dying)}[where])
+    monkeypatch.setattr(
+        *{"mid-file": (torch, "save", dying), "before-tracker": (cf, "atomic_write_text", dying)}[where]
+    )
     with pytest.raises(Killed):
         cf.write_checkpoint(save, {(0, 0): good["model"]}, good["args"], "release")
     monkeypatch.undo()
@@ -273,11 +345,18 @@ def test_model_only_writer_killed_midway_leaves_previous_checkpoint(reference, t
 
 # -- the distributed optimizer's shards (DP 2, gloo) -------------------------------------------------
 
+
 def _dp2_train(run_dir: str, corpus: str, iters: int) -> dict:
     from megatron_core import parallel_state as ps
 
-    recipe = tiny_recipe(f"train_iters={iters}", f"lr_decay_iters={ITERS}", "world_size=2",
-                         "use_distributed_optimizer=true", "save_interval=4", "eval_iters=0")
+    recipe = tiny_recipe(
+        f"train_iters={iters}",
+        f"lr_decay_iters={ITERS}",
+        "world_size=2",
+        "use_distributed_optimizer=true",
+        "save_interval=4",
+        "eval_iters=0",
+    )
     try:
         train(recipe, run_dir, corpus, vocab_size=VOCAB_SIZE)
     finally:
@@ -293,8 +372,9 @@ def test_distributed_optimizer_shards_saved_beside_and_resumed_exactly(corpus, t
     pieces = [cf.load_checkpoint_file(rank_dir / cf.distrib_optim_filename(r))["param_state"] for r in (0, 1)]
     weights = cf.flatten_model_state(cf.load_checkpoint_file(rank_dir / cf.MODEL_FILENAME)["model"])
     # each DP rank wrote its own pieces (nothing gathered); together they cover every weight once
-    assert {n: sum(p[n]["exp_avg"].numel() for p in pieces if n in p) for n in weights} == \
-        {n: w.numel() for n, w in weights.items()}
+    assert {n: sum(p[n]["exp_avg"].numel() for p in pieces if n in p) for n in weights} == {
+        n: w.numel() for n, w in weights.items()
+    }
     _checkpoint_copy(tmp_path / "full", tmp_path / "resumed", 4)
     resumed = run_distributed(_dp2_train, 2, str(tmp_path / "resumed"), corpus, 8)[0]
     assert {k: v for k, v in resumed.items() if k > 4} == {k: v for k, v in full.items() if k > 4}
@@ -304,9 +384,17 @@ def test_distributed_optimizer_shards_saved_beside_and_resumed_exactly(corpus, t
 def test_megatron_lm_rng_state_with_numpy_arrays_loads_safely(tmp_path):
     """Megatron-LM stores np.random.get_state() (an ndarray inside) in rng_state; the allow-list takes
     plain numpy arrays (arbitrary objects stay refused: test_load_refuses_unlisted_globals_and_garbage)."""
-    state = {"args": argparse.Namespace(num_layers=2), "iteration": 7,
-             "rng_state": [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
-                            "torch_rng_state": torch.get_rng_state()}]}
+    state = {
+        "args": argparse.Namespace(num_layers=2),
+        "iteration": 7,
+        "rng_state": [
+            {
+                "random_rng_state": random.getstate(),
+                "np_rng_state": np.random.get_state(),
+                "torch_rng_state": torch.get_rng_state(),
+            }
+        ],
+    }
     torch.save(state, tmp_path / "megatron_lm.pt")
     loaded = cf.load_checkpoint_file(tmp_path / "megatron_lm.pt")
     np_state = loaded["rng_state"][0]["np_rng_state"]

@@ -24,8 +24,13 @@ def test_every_entry_point_runs_the_one_script():
 
 
 def test_bootstrap_refuses_an_unknown_argument_before_touching_anything(tmp_path):
-    proc = subprocess.run(["bash", str(ROOT / "ci" / "bootstrap.sh"), "--tests"], capture_output=True, text=True,
-                          timeout=30, env={**os.environ, "PYTHON": str(tmp_path / "no-python")})
+    proc = subprocess.run(
+        ["bash", str(ROOT / "ci" / "bootstrap.sh"), "--tests"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "PYTHON": str(tmp_path / "no-python")},
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: unknown argument '--tests'; usage: bash ci/bootstrap.sh [--test]"
 
@@ -34,8 +39,14 @@ def test_bootstrap_refuses_an_unknown_argument_before_touching_anything(tmp_path
 def test_smoke_tp2pp2_end_to_end_matches_its_golden(tmp_path):
     venv_bin = Path(sys.executable).parent  # smoke.sh calls invoke and python from the venv
     env = {**os.environ, "WORKDIR": str(tmp_path), "PATH": f"{venv_bin}{os.pathsep}{os.environ['PATH']}"}
-    proc = subprocess.run(["bash", str(ROOT / "ci" / "smoke.sh"), "smoke-tp2pp2"], capture_output=True, text=True,
-                          timeout=600, env=env, cwd=tmp_path)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "ci" / "smoke.sh"), "smoke-tp2pp2"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "golden smoke-tp2pp2: " in proc.stdout and "values within" in proc.stdout
     assert "hf load ok" in proc.stdout + proc.stderr

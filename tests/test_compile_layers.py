@@ -22,8 +22,15 @@ from megatron_core.models.gpt import GPTModel, compile_layers
 from megatron_core.tensor_parallel.random import model_parallel_manual_seed
 
 SEQ, BATCH, VOCAB, STEPS = 16, 2, 128, 3
-CONFIG = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=SEQ, max_position_embeddings=SEQ,
-                     hidden_dropout=0.1, attention_dropout=0.1)
+CONFIG = ModelConfig(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    seq_length=SEQ,
+    max_position_embeddings=SEQ,
+    hidden_dropout=0.1,
+    attention_dropout=0.1,
+)
 
 
 @pytest.fixture

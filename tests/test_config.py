@@ -17,8 +17,14 @@ def minimal(**sections):
 def test_defaults_are_megatron_defaults():
     r = recipe_from_dict(minimal())
     t, m = r.training, r.model
-    assert ((t.seed, t.adam_beta1, t.adam_beta2, t.adam_eps, t.clip_grad, t.weight_decay)
-            == (1234, 0.9, 0.999, 1e-8, 1.0, 0.01))
+    assert (t.seed, t.adam_beta1, t.adam_beta2, t.adam_eps, t.clip_grad, t.weight_decay) == (
+        1234,
+        0.9,
+        0.999,
+        1e-8,
+        1.0,
+        0.01,
+    )
     assert (t.initial_loss_scale, t.min_loss_scale, t.loss_scale_window, t.hysteresis) == (2.0**32, 1.0, 1000, 2)
     assert (m.hidden_dropout, m.attention_dropout, m.init_method_std, m.layernorm_epsilon) == (0.1, 0.1, 0.02, 1e-5)
     assert m.make_vocab_size_divisible_by == 128 and t.lr_decay_style == "linear"
@@ -28,13 +34,28 @@ def test_defaults_are_megatron_defaults():
 def test_codeparrot_small_is_the_public_run():
     r = load_recipe("codeparrot-small-8gpu")
     m, p, t, d = r.model, r.parallel, r.training, r.data
-    assert ((m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length, m.max_position_embeddings)
-            == (12, 768, 12, 1024, 1024))
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length, m.max_position_embeddings) == (
+        12,
+        768,
+        12,
+        1024,
+        1024,
+    )
     assert (p.world_size, p.tensor_model_parallel_size, p.pipeline_model_parallel_size) == (8, 1, 1)
-    assert ((t.micro_batch_size, t.global_batch_size, t.train_iters, t.lr, t.lr_decay_style)
-            == (12, 192, 150000, 5e-4, "cosine"))
-    assert ((t.lr_warmup_iters, t.lr_decay_iters, t.weight_decay, t.adam_beta2, t.fp16)
-            == (2000, 150000, 0.1, 0.999, True))
+    assert (t.micro_batch_size, t.global_batch_size, t.train_iters, t.lr, t.lr_decay_style) == (
+        12,
+        192,
+        150000,
+        5e-4,
+        "cosine",
+    )
+    assert (t.lr_warmup_iters, t.lr_decay_iters, t.weight_decay, t.adam_beta2, t.fp16) == (
+        2000,
+        150000,
+        0.1,
+        0.999,
+        True,
+    )
     assert (t.log_interval, t.save_interval, t.eval_interval, t.eval_iters) == (10, 2000, 200, 10)
     assert d.split == "969,30,1" and d.json_keys == ["content"] and d.append_eod
     assert r.corpus.sources[0].name == "codeparrot/codeparrot-clean-train"
@@ -78,14 +99,25 @@ def test_wrong_type_names_key_value_and_expected_type():
     "sections, message",
     [
         ({"training": {"micro_batch_size": 4, "global_batch_size": 10}}, "not a multiple of micro_batch_size 4"),
-        ({"parallel": {"world_size": 4, "tensor_model_parallel_size": 2},
-          "training": {"micro_batch_size": 3, "global_batch_size": 3}}, "data-parallel size 2"),
-        ({"model": {"num_attention_heads": 12}, "parallel": {"world_size": 8, "tensor_model_parallel_size": 8}},
-         "not divisible by TP 8"),
-        ({"model": {"num_layers": 12}, "parallel": {"world_size": 5, "pipeline_model_parallel_size": 5}},
-         "not divisible by PP 5"),
-        ({"model": {"seq_length": 2048, "max_position_embeddings": 1024}},
-         "seq_length 2048 > model.max_position_embeddings 1024"),
+        (
+            {
+                "parallel": {"world_size": 4, "tensor_model_parallel_size": 2},
+                "training": {"micro_batch_size": 3, "global_batch_size": 3},
+            },
+            "data-parallel size 2",
+        ),
+        (
+            {"model": {"num_attention_heads": 12}, "parallel": {"world_size": 8, "tensor_model_parallel_size": 8}},
+            "not divisible by TP 8",
+        ),
+        (
+            {"model": {"num_layers": 12}, "parallel": {"world_size": 5, "pipeline_model_parallel_size": 5}},
+            "not divisible by PP 5",
+        ),
+        (
+            {"model": {"seq_length": 2048, "max_position_embeddings": 1024}},
+            "seq_length 2048 > model.max_position_embeddings 1024",
+        ),
         ({"parallel": {"world_size": 6, "tensor_model_parallel_size": 4}}, "world_size 6 is not divisible"),
         ({"model": {"make_vocab_size_divisible_by": 0}}, "model.make_vocab_size_divisible_by must be >= 1"),
         ({"parallel": {"sequence_parallel": True}}, "sequence_parallel needs tensor_model_parallel_size > 1"),
@@ -165,9 +197,18 @@ def test_unknown_recipe_name_suggests():
 
 
 def test_num_parameters_formula_small_case():
-    r = recipe_from_dict(minimal(model={"num_layers": 1, "hidden_size": 8, "num_attention_heads": 2,
-                                        "seq_length": 4, "max_position_embeddings": 4},
-                                 tokenizer={"vocab_size": 100}))
+    r = recipe_from_dict(
+        minimal(
+            model={
+                "num_layers": 1,
+                "hidden_size": 8,
+                "num_attention_heads": 2,
+                "seq_length": 4,
+                "max_position_embeddings": 4,
+            },
+            tokenizer={"vocab_size": 100},
+        )
+    )
     v, h = r.padded_vocab_size(100), 8
     assert v == 128
     per_layer = 2 * (2 * h) + (3 * h * h + 3 * h) + (h * h + h) + (h * 4 * h + 4 * h) + (4 * h * h + h)
@@ -181,35 +222,64 @@ VPP = {"model": {"num_layers": 8}, "parallel": {"world_size": 2, "pipeline_model
 @pytest.mark.parametrize(
     "layers_per_stage, num_layers, pp, global_batch, message",
     [
-        (3, 8, 2, 4, "model.num_layers 8 is not divisible by pipeline_model_parallel_size 2 x "
-                     "parallel.num_layers_per_virtual_pipeline_stage 3 = 6"),
-        (2, 8, 2, 3, r"number of micro batches per iteration \(3 = .*\) to be a multiple of "
-                     "pipeline_model_parallel_size 2"),
+        (
+            3,
+            8,
+            2,
+            4,
+            "model.num_layers 8 is not divisible by pipeline_model_parallel_size 2 x "
+            "parallel.num_layers_per_virtual_pipeline_stage 3 = 6",
+        ),
+        (
+            2,
+            8,
+            2,
+            3,
+            r"number of micro batches per iteration \(3 = .*\) to be a multiple of "
+            "pipeline_model_parallel_size 2",
+        ),
         (2, 8, 1, 4, "needs pipeline_model_parallel_size >= 2 \\(got 1\\)"),
         (0, 8, 2, 4, "must be >= 1 or null \\(got 0\\)"),
     ],
 )
 def test_virtual_pipeline_stages_refused_with_the_numbers(layers_per_stage, num_layers, pp, global_batch, message):
     with pytest.raises(UserError, match=message):
-        recipe_from_dict(minimal(model={"num_layers": num_layers},
-                                 parallel={"world_size": pp, "pipeline_model_parallel_size": pp,
-                                           "num_layers_per_virtual_pipeline_stage": layers_per_stage},
-                                 training={"micro_batch_size": 1, "global_batch_size": global_batch}))
+        recipe_from_dict(
+            minimal(
+                model={"num_layers": num_layers},
+                parallel={
+                    "world_size": pp,
+                    "pipeline_model_parallel_size": pp,
+                    "num_layers_per_virtual_pipeline_stage": layers_per_stage,
+                },
+                training={"micro_batch_size": 1, "global_batch_size": global_batch},
+            )
+        )
 
 
 def test_virtual_pipeline_stages_count_and_hash():
     plain = recipe_from_dict(minimal(**VPP))
     assert plain.parallel.virtual_pipeline_model_parallel_size(8) is None
     assert plain.to_dict()["parallel"]["num_layers_per_virtual_pipeline_stage"] is None  # resolved, as every key
-    chunked = recipe_from_dict(minimal(model=VPP["model"], parallel={**VPP["parallel"],
-                                                                     "num_layers_per_virtual_pipeline_stage": 2},
-                                       training={"global_batch_size": 4}))
+    chunked = recipe_from_dict(
+        minimal(
+            model=VPP["model"],
+            parallel={**VPP["parallel"], "num_layers_per_virtual_pipeline_stage": 2},
+            training={"global_batch_size": 4},
+        )
+    )
     assert chunked.parallel.virtual_pipeline_model_parallel_size(8) == 2
     assert "x 2 virtual stages" in chunked.describe()
-    assert chunked.hash != recipe_from_dict(minimal(model=VPP["model"], parallel=VPP["parallel"],
-                                                    training={"global_batch_size": 4})).hash
-    assert plain.diff(chunked.to_dict()) == ["parallel.num_layers_per_virtual_pipeline_stage",
-                                             "training.global_batch_size"]
+    assert (
+        chunked.hash
+        != recipe_from_dict(
+            minimal(model=VPP["model"], parallel=VPP["parallel"], training={"global_batch_size": 4})
+        ).hash
+    )
+    assert plain.diff(chunked.to_dict()) == [
+        "parallel.num_layers_per_virtual_pipeline_stage",
+        "training.global_batch_size",
+    ]
 
 
 def test_a_key_added_to_the_schema_later_is_no_change_at_its_default():

@@ -26,8 +26,9 @@ torch.set_num_threads(1)
 def hf_model(path, attn="eager", **kwargs):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation=attn,
-                                                **kwargs).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation=attn, **kwargs
+    ).eval()
 
 
 def prompts(n=3, s=20, seed=0):
@@ -62,8 +63,14 @@ def test_config_tokenizer_provenance(tp1_checkpoint, tp1_hf, tokenizer_files):
     out, summary = tp1_hf
     _, recipe, _ = tp1_checkpoint
     cfg = read_json(out / "config.json")
-    assert (cfg["vocab_size"], cfg["n_positions"], cfg["n_embd"], cfg["n_layer"], cfg["n_head"], cfg["n_inner"]) == \
-        (PADDED_VOCAB, 32, 64, 4, 4, 256)
+    assert (cfg["vocab_size"], cfg["n_positions"], cfg["n_embd"], cfg["n_layer"], cfg["n_head"], cfg["n_inner"]) == (
+        PADDED_VOCAB,
+        32,
+        64,
+        4,
+        4,
+        256,
+    )
     assert cfg["activation_function"] == "gelu_new" and cfg["tie_word_embeddings"] is True
     assert cfg["scale_attn_by_inverse_layer_idx"] is False
     tok = AutoTokenizer.from_pretrained(str(out))
@@ -77,8 +84,12 @@ def test_config_tokenizer_provenance(tp1_checkpoint, tp1_hf, tokenizer_files):
     text = "def fib(n):\n    return n"
     assert tok.encode(text) == reference.encode(text).ids != []
     prov = read_json(out / "provenance.json")
-    assert (prov["recipe_name"], prov["recipe_version"], prov["recipe_hash"], prov["iteration"]) == \
-        (recipe.name, recipe.version, recipe.hash, 10)
+    assert (prov["recipe_name"], prov["recipe_version"], prov["recipe_hash"], prov["iteration"]) == (
+        recipe.name,
+        recipe.version,
+        recipe.hash,
+        10,
+    )
     assert summary["weights"] == ["model.safetensors"] and not list(out.parent.glob(".tp1.tmp-*"))
 
 
@@ -87,8 +98,9 @@ def test_greedy_generation_matches_our_decoder(tp1_checkpoint, tp1_hf):
     ours = load_megatron_model(tp1_checkpoint[0])
     hf = hf_model(tp1_hf[0])
     prompt = prompts(1, 6, seed=3)
-    ref = hf.generate(prompt, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0,
-                      min_new_tokens=10)[0, 6:].tolist()
+    ref = hf.generate(prompt, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0, min_new_tokens=10)[
+        0, 6:
+    ].tolist()
     ours_tokens = generate(ours, prompt[0].tolist(), SamplingConfig(max_new_tokens=10))[0]
     assert ours_tokens == ref and len(ref) == 10
 
@@ -153,8 +165,9 @@ def _make_legacy(ckpt_dir, version: float, newer_norm_names: bool):
 
 
 @pytest.mark.parametrize("version,newer_names", [(0, False), (1.0, False), (2.0, True)])
-def test_legacy_versions_and_names_merge_to_the_same_state(tp1_checkpoint, tokenizer_files, tmp_path, version,
-                                                           newer_names):
+def test_legacy_versions_and_names_merge_to_the_same_state(
+    tp1_checkpoint, tokenizer_files, tmp_path, version, newer_names
+):
     _, _, state = tp1_checkpoint
     ckpt = save_layout(tmp_path / "legacy", tiny_recipe(2, 1), state, *tokenizer_files, tp=2, pp=1)
     _make_legacy(ckpt, version, newer_names)
@@ -175,8 +188,11 @@ def test_round_trip_ours_hf_ours_is_bit_exact(tp1_checkpoint, tokenizer_files, t
     assert sorted(p.relative_to(tmp_path / "back") for p in (tmp_path / "back").glob("iter_*/*/*.pt")) == files
 
     def flat(d, prefix=""):
-        return {k2: v2 for k, v in d.items() for k2, v2 in
-                (flat(v, f"{prefix}{k}.").items() if isinstance(v, dict) else [(prefix + k, v)])}
+        return {
+            k2: v2
+            for k, v in d.items()
+            for k2, v2 in (flat(v, f"{prefix}{k}.").items() if isinstance(v, dict) else [(prefix + k, v)])
+        }
 
     for rel in files:
         a = flat(load_checkpoint_file(original / rel)["model"])
@@ -224,12 +240,20 @@ def test_tp2pp2_checkpoint_written_by_four_ranks(tmp_path, tokenizer_files):
     from megatron_core.models.gpt import GPTModel
 
     run_distributed(_save_tp2pp2_rank, 4, str(tmp_path / "ck"), 7)
-    single = GPTModel(tiny_recipe(init_std=0.3).model, ParallelConfig(), PADDED_VOCAB, pre_process=True,
-                      post_process=True, layer_offset=0, init_seed=7).state_dict()
+    single = GPTModel(
+        tiny_recipe(init_std=0.3).model,
+        ParallelConfig(),
+        PADDED_VOCAB,
+        pre_process=True,
+        post_process=True,
+        layer_offset=0,
+        init_seed=7,
+    ).state_dict()
     merged = read_checkpoint(tmp_path / "ck")
     assert set(merged.state) == set(single) and all(torch.equal(merged.state[k], single[k]) for k in single)
-    convert_checkpoint(tmp_path / "ck", tmp_path / "hf", *[], vocab_file=tokenizer_files[0],
-                       merge_file=tokenizer_files[1])
+    convert_checkpoint(
+        tmp_path / "ck", tmp_path / "hf", *[], vocab_file=tokenizer_files[0], merge_file=tokenizer_files[1]
+    )
     ids = prompts()
     expected = load_megatron_model(tmp_path / "ck")(ids)
     assert (hf_model(tmp_path / "hf")(ids).logits - expected).abs().max() < 1e-4
@@ -243,8 +267,9 @@ def test_virtual_pipeline_layout_imports_reads_and_converts(tp1_checkpoint, toke
     _, _, state = tp1_checkpoint
     plain = save_layout(tmp_path / "plain", tiny_recipe(2, 2), state, *tokenizer_files, tp=2, pp=2)
     convert_checkpoint(plain, tmp_path / "hf")
-    import_hf_model(tmp_path / "hf", tmp_path / "vpp", tp=2, pp=2, iteration=10,
-                    num_layers_per_virtual_pipeline_stage=1)
+    import_hf_model(
+        tmp_path / "hf", tmp_path / "vpp", tp=2, pp=2, iteration=10, num_layers_per_virtual_pipeline_stage=1
+    )
     qkv = "self_attention.query_key_value.weight"
     for pp_rank in range(2):
         rank_dir = tmp_path / "vpp" / "iter_0000010" / f"mp_rank_01_{pp_rank:03d}"
@@ -252,8 +277,9 @@ def test_virtual_pipeline_layout_imports_reads_and_converts(tp1_checkpoint, toke
         assert "model" not in shard and shard["args"].virtual_pipeline_model_parallel_size == 2
         for chunk in range(2):
             encoder = shard[f"model{chunk}"]["language_model"]["encoder"]
-            assert torch.equal(encoder[f"layers.0.{qkv}"],
-                               state[f"encoder.layers.{chunk * 2 + pp_rank}.{qkv}"].chunk(2)[1])
+            assert torch.equal(
+                encoder[f"layers.0.{qkv}"], state[f"encoder.layers.{chunk * 2 + pp_rank}.{qkv}"].chunk(2)[1]
+            )
             assert ("final_layernorm.weight" in encoder) == (pp_rank == 1 and chunk == 1)
     merged = read_checkpoint(tmp_path / "vpp")
     assert all(torch.equal(merged.state[k], v) for k, v in state.items()) and set(merged.state) == set(state)

@@ -34,16 +34,18 @@ def test_extra_shard(tp2):
 
 
 def test_shards_from_different_iterations_and_runs(tp2, tp1_checkpoint, tokenizer_files, tmp_path):
-    other = save_layout(tmp_path / "other", tiny_recipe(2, 1), tp1_checkpoint[2], *tokenizer_files, tp=2, pp=1,
-                        iteration=20)
+    other = save_layout(
+        tmp_path / "other", tiny_recipe(2, 1), tp1_checkpoint[2], *tokenizer_files, tp=2, pp=1, iteration=20
+    )
     shard = tp2 / "iter_0000010" / "mp_rank_01"
     (tp2 / "iter_0000010" / "manifest.json").unlink(missing_ok=True)  # with one, its crc32 refuses the copy first
     shutil.rmtree(shard)
     shutil.copytree(other / "iter_0000020" / "mp_rank_01", shard)
     with pytest.raises(UserError, match="disagree on 'iteration'"):
         read_checkpoint(tp2)
-    other_run = save_layout(tmp_path / "run2", tiny_recipe(2, 1, init_std=0.5), tp1_checkpoint[2], *tokenizer_files,
-                            tp=2, pp=1)
+    other_run = save_layout(
+        tmp_path / "run2", tiny_recipe(2, 1, init_std=0.5), tp1_checkpoint[2], *tokenizer_files, tp=2, pp=1
+    )
     shutil.rmtree(shard)
     shutil.copytree(other_run / "iter_0000010" / "mp_rank_01", shard)
     with pytest.raises(UserError, match="disagree on 'recipe_hash'.*different runs"):
@@ -107,8 +109,19 @@ def test_import_into_an_occupied_directory_is_refused_unless_overwrite_and_bf16_
 
 
 def test_cli_prints_error_and_exits_2(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "megatron_core.convert", "--load", str(tmp_path / "nope"),
-                           "--save", str(tmp_path / "hf")], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_core.convert",
+            "--load",
+            str(tmp_path / "nope"),
+            "--save",
+            str(tmp_path / "hf"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "does not exist" in proc.stderr
     assert not (tmp_path / "hf").exists()
 

@@ -38,18 +38,30 @@ def write_tokenizer(out: Path, vocab_size: int = 300) -> tuple[Path, Path]:
     return out / "vocab.json", out / "merges.txt"
 
 
-def tiny_recipe(tp: int = 1, pp: int = 1, untie: bool = False, gelu_tanh: bool = True, init_std: float = 0.02,
-                **sections):
-    return recipe_from_dict({
-        "name": "convert-test", "version": 3,
-        "model": {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32,
-                  "max_position_embeddings": 32, "hidden_dropout": 0.0, "attention_dropout": 0.0,
-                  "untie_embeddings_and_output_weights": untie, "bias_gelu_fusion": gelu_tanh,
-                  "init_method_std": init_std},
-        "parallel": {"world_size": tp * pp, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp},
-        "tokenizer": {"vocab_size": 300},
-        **sections,
-    })
+def tiny_recipe(
+    tp: int = 1, pp: int = 1, untie: bool = False, gelu_tanh: bool = True, init_std: float = 0.02, **sections
+):
+    return recipe_from_dict(
+        {
+            "name": "convert-test",
+            "version": 3,
+            "model": {
+                "num_layers": 4,
+                "hidden_size": 64,
+                "num_attention_heads": 4,
+                "seq_length": 32,
+                "max_position_embeddings": 32,
+                "hidden_dropout": 0.0,
+                "attention_dropout": 0.0,
+                "untie_embeddings_and_output_weights": untie,
+                "bias_gelu_fusion": gelu_tanh,
+                "init_method_std": init_std,
+            },
+            "parallel": {"world_size": tp * pp, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp},
+            "tokenizer": {"vocab_size": 300},
+            **sections,
+        }
+    )
 
 
 PADDED_VOCAB = 512  # 300 padded to a multiple of 128 x TP 2 (also valid for TP 1)
@@ -60,8 +72,15 @@ def random_full_state(recipe, seed: int = 0) -> dict:
     from megatron_core.config import ParallelConfig
     from megatron_core.models.gpt import GPTModel
 
-    model = GPTModel(recipe.model, ParallelConfig(), PADDED_VOCAB, pre_process=True, post_process=True,
-                     layer_offset=0, init_seed=seed)
+    model = GPTModel(
+        recipe.model,
+        ParallelConfig(),
+        PADDED_VOCAB,
+        pre_process=True,
+        post_process=True,
+        layer_offset=0,
+        init_seed=seed,
+    )
     gen = torch.Generator().manual_seed(seed)
     return {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in model.state_dict().items()}
 
@@ -85,24 +104,44 @@ def load_megatron_model(load_dir) -> MegatronCausalLM:
     from megatron_core.models.gpt import GPTModel
 
     ckpt = read_checkpoint(load_dir)
-    gpt = GPTModel(ckpt.spec.to_model_config(), ParallelConfig(), ckpt.spec.padded_vocab_size, pre_process=True,
-                   post_process=True, layer_offset=0, init_seed=0)
+    gpt = GPTModel(
+        ckpt.spec.to_model_config(),
+        ParallelConfig(),
+        ckpt.spec.padded_vocab_size,
+        pre_process=True,
+        post_process=True,
+        layer_offset=0,
+        init_seed=0,
+    )
     gpt.load_state_dict({k: v.float() for k, v in ckpt.state.items()}, strict=True)
     return MegatronCausalLM(gpt.float().eval(), ckpt.spec)
 
 
-def save_tp1(save: Path, recipe, state: dict, vocab: Path, merges: Path, iteration: int = 10,
-             dtype: torch.dtype = torch.float32) -> Path:
-    args = megatron_args(recipe, PADDED_VOCAB, iteration=iteration, consumed_train_samples=0,
-                         params_dtype=str(dtype).replace("torch.", ""))
+def save_tp1(
+    save: Path, recipe, state: dict, vocab: Path, merges: Path, iteration: int = 10, dtype: torch.dtype = torch.float32
+) -> Path:
+    args = megatron_args(
+        recipe,
+        PADDED_VOCAB,
+        iteration=iteration,
+        consumed_train_samples=0,
+        params_dtype=str(dtype).replace("torch.", ""),
+    )
     args.vocab_file, args.merge_file = str(vocab), str(merges)
-    save_checkpoint(save, iteration, model_state={k: v.to(dtype) for k, v in state.items()}, args=args,
-                    recipe=recipe, consumed_train_samples=0)
+    save_checkpoint(
+        save,
+        iteration,
+        model_state={k: v.to(dtype) for k, v in state.items()},
+        args=args,
+        recipe=recipe,
+        consumed_train_samples=0,
+    )
     return save
 
 
-def save_layout(save: Path, recipe, state: dict, vocab: Path, merges: Path, tp: int, pp: int,
-                iteration: int = 10) -> Path:
+def save_layout(
+    save: Path, recipe, state: dict, vocab: Path, merges: Path, tp: int, pp: int, iteration: int = 10
+) -> Path:
     args = megatron_args(recipe, PADDED_VOCAB, iteration=iteration, consumed_train_samples=0, params_dtype="float32")
     args.vocab_file, args.merge_file = str(vocab), str(merges)
     spec = dataclasses.replace(ModelSpec.from_recipe(recipe, PADDED_VOCAB), tp=tp, pp=pp, world_size=None)

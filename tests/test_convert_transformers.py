@@ -23,8 +23,12 @@ CONVERTER = "transformers/models/megatron_gpt2/convert_megatron_gpt2_checkpoint.
 def hf_converter_module(tmp_path_factory):
     """Downloaded once per test session (PyPI), the one file extracted from the wheel."""
     cache = tmp_path_factory.mktemp("transformers-4.46.3")
-    proc = subprocess.run([sys.executable, "-m", "pip", "download", "transformers==4.46.3", "--no-deps", "-q",
-                           "-d", str(cache)], capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "transformers==4.46.3", "--no-deps", "-q", "-d", str(cache)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     wheels = list(cache.glob("transformers-4.46.3-*.whl"))
     if proc.returncode != 0 or not wheels:
         pytest.skip(f"pip download transformers==4.46.3 failed (no PyPI access?): {proc.stderr.strip()[-300:]}")

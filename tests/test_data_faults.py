@@ -80,8 +80,12 @@ def test_token_id_at_or_above_the_vocabulary_stops_training_in_one_line(tmp_path
             builder.add_document([np.arange(60) % 97 + (200 if doc == 3 else 0)])  # padded vocab is 128
         builder.finalize(prefix + ".idx")
     with pytest.raises(GPTDatasetError) as info:
-        train(tiny_recipe("train_iters=40", "eval_iters=0", "save_interval=null"), tmp_path / "run", prefix,
-              vocab_size=VOCAB_SIZE)
+        train(
+            tiny_recipe("train_iters=40", "eval_iters=0", "save_interval=null"),
+            tmp_path / "run",
+            prefix,
+            vocab_size=VOCAB_SIZE,
+        )
     message = str(info.value)
     assert "\n" not in message and f"{prefix}.bin holds token id" in message and "vocabulary size 128" in message
     assert not (tmp_path / "run" / "checkpoints" / "latest_checkpointed_iteration.txt").exists()
@@ -89,8 +93,14 @@ def test_token_id_at_or_above_the_vocabulary_stops_training_in_one_line(tmp_path
 
 def test_truncated_index_cache_is_rebuilt(prefix, tmp_path, capsys, monkeypatch):
     def build():
-        return build_gpt_datasets(prefix, split="100,0,0", seq_length=16, num_samples=(50, None, None), seed=1,
-                                  cache_dir=str(tmp_path / "cache"))[0]
+        return build_gpt_datasets(
+            prefix,
+            split="100,0,0",
+            seq_length=16,
+            num_samples=(50, None, None),
+            seed=1,
+            cache_dir=str(tmp_path / "cache"),
+        )[0]
 
     first = build()
     expected = [first.sample_tokens(i).copy() for i in range(len(first))]
@@ -102,8 +112,9 @@ def test_truncated_index_cache_is_rebuilt(prefix, tmp_path, capsys, monkeypatch)
     again = build()
     assert len(builds) == 1  # only the damaged split's indices are built again
     assert f"{shuffle} is damaged" in capsys.readouterr().out
-    assert len(again) == len(expected) and all(np.array_equal(again.sample_tokens(i), want)
-                                               for i, want in enumerate(expected))
+    assert len(again) == len(expected) and all(
+        np.array_equal(again.sample_tokens(i), want) for i, want in enumerate(expected)
+    )
 
 
 def test_staging_of_a_killed_data_step_is_removed(tmp_path):

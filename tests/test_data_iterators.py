@@ -43,8 +43,9 @@ def test_prefetched_batches_are_the_plain_order_and_resume_from_a_sample_count()
 
 
 def test_an_endless_iterator_is_stopped_by_close():
-    iterator = batch_iterator(Numbers(), consumed_samples=0, micro_batch_size=2, dp_rank=0, dp_size=1,
-                              device=torch.device("cpu"), wrap=True)
+    iterator = batch_iterator(
+        Numbers(), consumed_samples=0, micro_batch_size=2, dp_rank=0, dp_size=1, device=torch.device("cpu"), wrap=True
+    )
     for _ in range(20):
         next(iterator)
     iterator.close()
@@ -56,8 +57,9 @@ def test_an_error_while_reading_reaches_the_training_thread():
         def __getitem__(self, i):
             raise ValueError("corrupt sample")
 
-    iterator = batch_iterator(Broken(), consumed_samples=0, micro_batch_size=2, dp_rank=0, dp_size=1,
-                              device=torch.device("cpu"))
+    iterator = batch_iterator(
+        Broken(), consumed_samples=0, micro_batch_size=2, dp_rank=0, dp_size=1, device=torch.device("cpu")
+    )
     try:
         next(iterator)
     except ValueError as exc:
@@ -71,8 +73,9 @@ def _tp2_batches():
     try:
         tp_rank = ps.get_tensor_model_parallel_rank()
         dataset = Numbers(forbidden=tp_rank != 0)
-        iterator = batch_iterator(dataset, consumed_samples=0, micro_batch_size=2, dp_rank=0, dp_size=1,
-                                  device=torch.device("cpu"))
+        iterator = batch_iterator(
+            dataset, consumed_samples=0, micro_batch_size=2, dp_rank=0, dp_size=1, device=torch.device("cpu")
+        )
         batches = [{k: v.tolist() for k, v in b.items()} for b in iterator]
         return tp_rank, batches, dataset.reads
     finally:
@@ -98,8 +101,14 @@ def _tp2_reader_error():
                     raise ValueError("corrupt sample 4")
                 return super().__getitem__(i)
 
-        iterator = batch_iterator(BrokenAtFour(forbidden=tp_rank != 0), consumed_samples=0, micro_batch_size=2,
-                                  dp_rank=0, dp_size=1, device=torch.device("cpu"))
+        iterator = batch_iterator(
+            BrokenAtFour(forbidden=tp_rank != 0),
+            consumed_samples=0,
+            micro_batch_size=2,
+            dp_rank=0,
+            dp_size=1,
+            device=torch.device("cpu"),
+        )
         got = 0
         try:
             for _ in iterator:

@@ -50,13 +50,19 @@ def grad_sync_checks(reduce_kind: str) -> dict:
     local = {n: p.grad.clone() for n, p in twin.named_parameters()}
     assert all(p.grad is None for p in model.module.parameters()), "main_grad hooks free each micro batch's grad"
     model.finish_grad_sync()
-    out = {"buckets": len(buckets), "launched_under_no_sync": launched_under_no_sync,
-           "launched_in_backward": launched_in_backward, "local": local}
+    out = {
+        "buckets": len(buckets),
+        "launched_under_no_sync": launched_under_no_sync,
+        "launched_in_backward": launched_in_backward,
+        "local": local,
+    }
     if reduce_kind == "all_reduce":
         out["synced"] = {n: p.main_grad.clone() for n, p in model.module.named_parameters()}
     else:
-        out["shards"] = [(b.grad_shard.clone(), [(b.offsets[i], p.numel()) for i, p in enumerate(b.params)],
-                          b.padded_numel) for b in buckets]
+        out["shards"] = [
+            (b.grad_shard.clone(), [(b.offsets[i], p.numel()) for i, p in enumerate(b.params)], b.padded_numel)
+            for b in buckets
+        ]
         out["order"] = [[n for b in buckets for p in b.params for n, q in model.module.named_parameters() if q is p]]
     return out
 
@@ -90,8 +96,10 @@ def distributed_optimizer_resume() -> dict:
     whole = {}  # load_param_state takes whole tensors; this rank's pieces at their place suffice
     for name, piece in pieces.items():
         start, numel = piece.pop("start"), piece["exp_avg"].numel()
-        whole[name] = {k: torch.zeros(model_state[name].numel()).index_copy_(0, torch.arange(start, start + numel), t)
-                       for k, t in piece.items()}
+        whole[name] = {
+            k: torch.zeros(model_state[name].numel()).index_copy_(0, torch.arange(start, start + numel), t)
+            for k, t in piece.items()
+        }
     try:
         model2, module2, optimizer2 = proof.build(proof.make_recipe(layout))
         module2.load_state_dict(model_state)
@@ -99,9 +107,12 @@ def distributed_optimizer_resume() -> dict:
         resumed = _steps(module2, optimizer2, 2, model2)
     finally:
         ps.destroy_model_parallel()
-    return {"continued": continued, "resumed": resumed,
-            "owned": {name: piece["exp_avg"].numel() for name, piece in pieces.items()},
-            "numel": {name: t.numel() for name, t in model_state.items()}}
+    return {
+        "continued": continued,
+        "resumed": resumed,
+        "owned": {name: piece["exp_avg"].numel() for name, piece in pieces.items()},
+        "numel": {name: t.numel() for name, t in model_state.items()},
+    }
 
 
 def _steps(module, optimizer, count: int, model) -> list[torch.Tensor]:
@@ -148,9 +159,9 @@ def test_reduce_scatter_keeps_this_ranks_slice_of_the_average(ranks):
             for offset, numel in layout:
                 name = next(names)
                 mean = (ranks[0][1]["local"][name] + ranks[1][1]["local"][name]) / 2
-                flat[offset:offset + numel] = mean.reshape(-1)
+                flat[offset : offset + numel] = mean.reshape(-1)
             size = padded // 2
-            torch.testing.assert_close(shard, flat[dp_rank * size:(dp_rank + 1) * size], rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(shard, flat[dp_rank * size : (dp_rank + 1) * size], rtol=1e-6, atol=1e-7)
 
 
 def test_distributed_optimizer_sharded_state_resumes_exactly(ranks):

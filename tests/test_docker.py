@@ -87,15 +87,20 @@ def test_build_request_defaults_come_from_the_dockerfile():
     request = containers.build_request()
     assert request.ngc_tag == NGC_TAG and request.tag == IMAGE and request.context == ROOT
     assert request.ngc_digest == NGC_DIGEST
-    assert request.command_line() == (f"docker build -f docker/Dockerfile --build-arg NGC_TAG={NGC_TAG} "
-                                      f"--build-arg NGC_DIGEST={NGC_DIGEST} -t {IMAGE} {ROOT}")
+    assert request.command_line() == (
+        f"docker build -f docker/Dockerfile --build-arg NGC_TAG={NGC_TAG} "
+        f"--build-arg NGC_DIGEST={NGC_DIGEST} -t {IMAGE} {ROOT}"
+    )
 
 
 def test_another_ngc_tag_needs_its_own_digest():
     # Docker pulls the digest when both are given: the Dockerfile's would silently build the pinned release.
-    with pytest.raises(ContainerError, match=r"^--ngc-tag 25.11 needs its --ngc-digest \(the Dockerfile pins "
-                                             rf"{NGC_TAG}'s\); `docker buildx imagetools inspect "
-                                             r"nvcr.io/nvidia/pytorch:25.11-py3` prints it$"):
+    with pytest.raises(
+        ContainerError,
+        match=r"^--ngc-tag 25.11 needs its --ngc-digest \(the Dockerfile pins "
+        rf"{NGC_TAG}'s\); `docker buildx imagetools inspect "
+        r"nvcr.io/nvidia/pytorch:25.11-py3` prints it$",
+    ):
         containers.build_request(ngc_tag="25.11")
     request = containers.build_request(ngc_tag="25.11", ngc_digest=OTHER_DIGEST)
     assert request.buildargs == {"NGC_TAG": "25.11", "NGC_DIGEST": OTHER_DIGEST}
@@ -104,11 +109,14 @@ def test_another_ngc_tag_needs_its_own_digest():
 
 
 def test_build_builds_the_checkout_with_its_pins_and_streams_output():
-    chunks = [{"stream": "Step 1/9 : ARG NGC_TAG=25.05\n"}, {"stream": "\n"}, {"aux": {"ID": "sha256:abc"}},
-              {"stream": "Successfully tagged x:y\n"}]
+    chunks = [
+        {"stream": "Step 1/9 : ARG NGC_TAG=25.05\n"},
+        {"stream": "\n"},
+        {"aux": {"ID": "sha256:abc"}},
+        {"stream": "Successfully tagged x:y\n"},
+    ]
     client, echoed = FakeClient(build_chunks=chunks), []
-    image_id = containers.build(tag="x:y", ngc_tag="25.05", ngc_digest=OTHER_DIGEST, client=client,
-                                echo=echoed.append)
+    image_id = containers.build(tag="x:y", ngc_tag="25.05", ngc_digest=OTHER_DIGEST, client=client, echo=echoed.append)
     assert image_id == "sha256:abc"
     ((call, kwargs),) = client.calls
     assert call == "api.build" and kwargs["tag"] == "x:y"
@@ -125,8 +133,10 @@ def test_build_error_chunk_is_one_clear_error():
 
 def test_build_dry_run_prints_command_and_needs_no_engine(capsys):
     line = containers.build(tag="me/img:1", ngc_tag=NGC_TAG, dry_run=True, no_cache=True, pull=True)
-    assert line == (f"docker build -f docker/Dockerfile --build-arg NGC_TAG={NGC_TAG} --build-arg "
-                    f"NGC_DIGEST={NGC_DIGEST} -t me/img:1 --no-cache --pull {ROOT}")
+    assert line == (
+        f"docker build -f docker/Dockerfile --build-arg NGC_TAG={NGC_TAG} --build-arg "
+        f"NGC_DIGEST={NGC_DIGEST} -t me/img:1 --no-cache --pull {ROOT}"
+    )
     assert capsys.readouterr().out.strip() == line
 
 
@@ -158,8 +168,10 @@ def test_run_trains_on_every_gpu_as_the_caller_streams_logs_and_removes(dirs):
     assert kwargs["device_requests"] == [DeviceRequest(count=-1, capabilities=[["gpu"]])]  # every GPU
     # NCCL needs the host's shared memory and unlimited locked memory (NGC's documented run flags)
     assert kwargs["ipc_mode"] == "host" and ULIMITS[0] in kwargs["ulimits"]
-    assert kwargs["volumes"] == {str(work): {"bind": "/work", "mode": "rw"},
-                                 str(cache): {"bind": "/cache", "mode": "rw"}}
+    assert kwargs["volumes"] == {
+        str(work): {"bind": "/work", "mode": "rw"},
+        str(cache): {"bind": "/cache", "mode": "rw"},
+    }
     assert kwargs["user"] == USER  # what it writes under /work is the caller's
     assert work.is_dir() and cache.is_dir()  # made here, not by the engine as root
     assert echoed[1:] == ["iteration 1", "done", "container exited with code 0"]
@@ -173,10 +185,20 @@ def test_run_with_gpu_count_mounts_env_network_and_task(dirs, tmp_path):
     data.mkdir()
     (tmp_path / "w2").mkdir()
     client = FakeClient(images=("me/img:2",), container=FakeContainer([], status=3))
-    code = containers.run("smoke", task="pipeline", gpus=2, mounts=[f"{data}:/data:ro", f"{tmp_path}/w2:/work"],
-                          client=client, echo=lambda _: None, workdir=work, cache=cache,
-                          env=["NCCL_SOCKET_IFNAME=eth0"], network_host=True,
-                          task_args=["--set", "lr=1e-4"], image="me/img:2")
+    code = containers.run(
+        "smoke",
+        task="pipeline",
+        gpus=2,
+        mounts=[f"{data}:/data:ro", f"{tmp_path}/w2:/work"],
+        client=client,
+        echo=lambda _: None,
+        workdir=work,
+        cache=cache,
+        env=["NCCL_SOCKET_IFNAME=eth0"],
+        network_host=True,
+        task_args=["--set", "lr=1e-4"],
+        image="me/img:2",
+    )
     assert code == 3
     assert not work.exists()  # replaced by the --mount onto /work, so not made
     kwargs = client.calls[1][1]
@@ -186,17 +208,21 @@ def test_run_with_gpu_count_mounts_env_network_and_task(dirs, tmp_path):
     assert kwargs["network_mode"] == "host"
     assert kwargs["environment"] == {"NCCL_SOCKET_IFNAME": "eth0"}
     # a --mount onto /work replaces the default work mount
-    assert kwargs["volumes"] == {str(tmp_path / "w2"): {"bind": "/work", "mode": "rw"},
-                                 str(cache): {"bind": "/cache", "mode": "rw"},
-                                 str(data): {"bind": "/data", "mode": "ro"}}
+    assert kwargs["volumes"] == {
+        str(tmp_path / "w2"): {"bind": "/work", "mode": "rw"},
+        str(cache): {"bind": "/cache", "mode": "rw"},
+        str(data): {"bind": "/data", "mode": "ro"},
+    }
 
 
 def test_run_dry_run_line(dirs):
     work, cache = dirs
     line = containers.run(dry_run=True, echo=lambda _: None, workdir=work, cache=cache)
     assert not work.exists() and not cache.exists()  # a dry run changes nothing
-    assert line == (f"docker run --rm --gpus all --ipc=host --ulimit memlock=-1 --ulimit stack=67108864 "
-                    f"--user {USER} -v {work}:/work -v {cache}:/cache {IMAGE} invoke train --recipe codeparrot-small")
+    assert line == (
+        f"docker run --rm --gpus all --ipc=host --ulimit memlock=-1 --ulimit stack=67108864 "
+        f"--user {USER} -v {work}:/work -v {cache}:/cache {IMAGE} invoke train --recipe codeparrot-small"
+    )
 
 
 def test_run_as_another_user(dirs):
@@ -208,12 +234,22 @@ def test_run_as_another_user(dirs):
 
 def test_run_dry_run_line_multi_node(dirs):
     work, cache = dirs
-    line = containers.run("codeparrot-small-8gpu", gpus="all", dry_run=True, echo=lambda _: None, workdir=work,
-                          cache=cache, network_host=True, env=["NCCL_SOCKET_IFNAME=ib0"],
-                          task_args=["--nnodes", "2", "--node-rank", "0", "--master-addr", "node0"])
-    assert line == (f"docker run --rm --gpus all --ipc=host --ulimit memlock=-1 --ulimit stack=67108864 "
-                    f"--user {USER} --network=host -v {work}:/work -v {cache}:/cache -e NCCL_SOCKET_IFNAME=ib0 {IMAGE} "
-                    "invoke train --recipe codeparrot-small-8gpu --nnodes 2 --node-rank 0 --master-addr node0")
+    line = containers.run(
+        "codeparrot-small-8gpu",
+        gpus="all",
+        dry_run=True,
+        echo=lambda _: None,
+        workdir=work,
+        cache=cache,
+        network_host=True,
+        env=["NCCL_SOCKET_IFNAME=ib0"],
+        task_args=["--nnodes", "2", "--node-rank", "0", "--master-addr", "node0"],
+    )
+    assert line == (
+        f"docker run --rm --gpus all --ipc=host --ulimit memlock=-1 --ulimit stack=67108864 "
+        f"--user {USER} --network=host -v {work}:/work -v {cache}:/cache -e NCCL_SOCKET_IFNAME=ib0 {IMAGE} "
+        "invoke train --recipe codeparrot-small-8gpu --nnodes 2 --node-rank 0 --master-addr node0"
+    )
 
 
 def test_cpu_only_run_has_no_gpu_request(dirs):
@@ -239,15 +275,18 @@ def test_interrupted_run_still_removes_the_container(dirs):
     assert client.container.removed == {"force": True}
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"gpus": "two"}, "--gpus 'two' is not 'all', a GPU count or 'none'"),
-    ({"mounts": ["/nope/such/dir:/data"]}, "does not exist on this machine"),
-    ({"mounts": ["./x"]}, "is not SRC:DST or SRC:DST:ro"),
-    ({"mounts": [".:data"]}, "the container path must be absolute"),
-    ({"env": ["NOEQUALS"]}, "--env 'NOEQUALS' is not KEY=VALUE"),
-    ({"task": "Train;rm"}, "is not an invoke task name"),
-    ({"recipe": "codeparot-small"}, "no recipe named 'codeparot-small'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"gpus": "two"}, "--gpus 'two' is not 'all', a GPU count or 'none'"),
+        ({"mounts": ["/nope/such/dir:/data"]}, "does not exist on this machine"),
+        ({"mounts": ["./x"]}, "is not SRC:DST or SRC:DST:ro"),
+        ({"mounts": [".:data"]}, "the container path must be absolute"),
+        ({"env": ["NOEQUALS"]}, "--env 'NOEQUALS' is not KEY=VALUE"),
+        ({"task": "Train;rm"}, "is not an invoke task name"),
+        ({"recipe": "codeparot-small"}, "no recipe named 'codeparot-small'"),
+    ],
+)
 def test_bad_run_input_is_one_clear_error(dirs, kwargs, message):
     work, cache = dirs
     with pytest.raises(containers.UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -287,11 +326,13 @@ def test_docker_tasks_need_no_torch_on_the_host(tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys; sys.modules['torch'] = None\n"
-            "from megatron_core import containers\n"
-            f"containers.build(dry_run=True)\n"
-            f"containers.run('smoke', gpus=1, dry_run=True, workdir={str(tmp_path / 'w')!r}, "
-            f"cache={str(tmp_path / 'c')!r})\n")
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "from megatron_core import containers\n"
+        f"containers.build(dry_run=True)\n"
+        f"containers.run('smoke', gpus=1, dry_run=True, workdir={str(tmp_path / 'w')!r}, "
+        f"cache={str(tmp_path / 'c')!r})\n"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[1].startswith("docker run --rm --gpus 1 --ipc=host")

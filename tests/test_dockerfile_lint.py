@@ -29,8 +29,13 @@ def hadolint_binary() -> str:
 
 
 def hadolint_findings(path: Path) -> list[dict]:
-    result = subprocess.run([hadolint_binary(), "--no-fail", "-f", "json", str(path)], capture_output=True,
-                            text=True, check=True, timeout=60)
+    result = subprocess.run(
+        [hadolint_binary(), "--no-fail", "-f", "json", str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
     return json.loads(result.stdout or "[]")
 
 
@@ -78,9 +83,14 @@ def test_dockerignore_keeps_outputs_and_vcs_out():
 
 
 def _run_entrypoint(tmp_path, *args, extra_env=None):
-    env = {**os.environ, "HF_HOME": str(tmp_path / "cache" / "hf"), "TRITON_CACHE_DIR": str(tmp_path / "cache" / "t"),
-           "NVIDIA_ENTRYPOINT": str(tmp_path / "absent.sh"), "MEGATRON_WORK_DIR": str(tmp_path / "no-work-mount"),
-           **(extra_env or {})}
+    env = {
+        **os.environ,
+        "HF_HOME": str(tmp_path / "cache" / "hf"),
+        "TRITON_CACHE_DIR": str(tmp_path / "cache" / "t"),
+        "NVIDIA_ENTRYPOINT": str(tmp_path / "absent.sh"),
+        "MEGATRON_WORK_DIR": str(tmp_path / "no-work-mount"),
+        **(extra_env or {}),
+    }
     return subprocess.run(["bash", str(ENTRYPOINT), *args], capture_output=True, text=True, env=env, timeout=30)
 
 
@@ -104,8 +114,10 @@ def test_entrypoint_is_valid_bash():
     subprocess.run(["bash", "-n", str(ENTRYPOINT)], check=True)
 
 
-@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0 or not shutil.which("setpriv"),
-                    reason="switching users needs root and setpriv (util-linux), as in the image")
+@pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() != 0 or not shutil.which("setpriv"),
+    reason="switching users needs root and setpriv (util-linux), as in the image",
+)
 def test_entrypoint_started_as_root_runs_as_the_owner_of_work():
     # Under /tmp, not pytest's tmp_path: its root-only parents would hide the directory from the new uid.
     base = Path(tempfile.mkdtemp(prefix="entrypoint-"))
@@ -115,8 +127,9 @@ def test_entrypoint_started_as_root_runs_as_the_owner_of_work():
         work.mkdir()
         os.chown(work, 4242, 4343)
         command = 'touch "$MEGATRON_WORK_DIR/out"; id -u; id -g; echo "$HOME $USER"'
-        result = _run_entrypoint(base, "bash", "-c", command,
-                                 extra_env={"MEGATRON_WORK_DIR": str(work), "HOME": "/root", "USER": "root"})
+        result = _run_entrypoint(
+            base, "bash", "-c", command, extra_env={"MEGATRON_WORK_DIR": str(work), "HOME": "/root", "USER": "root"}
+        )
         assert result.returncode == 0, result.stderr
         assert result.stdout.split("\n")[:3] == ["4242", "4343", "/tmp/home-4242 uid4242"]
         assert (os.stat(work / "out").st_uid, os.stat(work / "out").st_gid) == (4242, 4343)

@@ -13,8 +13,7 @@ import torch
 
 from megatron_core import doctor
 
-CPU_LINE = ("CUDA: not available -> fused Triton kernels, Apex and NCCL disabled; "
-            "training runs on CPU with gloo")
+CPU_LINE = "CUDA: not available -> fused Triton kernels, Apex and NCCL disabled; training runs on CPU with gloo"
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +40,11 @@ def test_cpu_machine_says_what_is_disabled(here):
 
 def _gpu_report(base: dict, apex_ok: bool, nccl: bool = True, triton: str | None = "3.4.0") -> dict:
     r = copy.deepcopy(base)
-    r["cuda"].update(available=True, cudnn=91000,
-                     devices=[{"name": "NVIDIA H100 80GB HBM3", "capability": "9.0", "memory_gib": 79.1}])
+    r["cuda"].update(
+        available=True,
+        cudnn=91000,
+        devices=[{"name": "NVIDIA H100 80GB HBM3", "capability": "9.0", "memory_gib": 79.1}],
+    )
     r["nccl"].update(built=True, available=nccl, version="2.27.7" if nccl else None)
     r["apex"]["modules"] = {name: apex_ok for name in r["apex"]["modules"]}
     r["apex"]["usable"] = apex_ok
@@ -61,8 +63,10 @@ def test_complete_gpu_node_reports_nothing_missing(here):
 
 def test_gpu_node_without_apex_nccl_triton_names_each(here):
     lines = _gpu_report(here, apex_ok=False, nccl=False, triton=None)["consequences"]
-    assert any(line.startswith("Apex: apex, amp_C, fused_layer_norm_cuda, apex.optimizers.FusedAdam missing ->")
-               for line in lines)
+    assert any(
+        line.startswith("Apex: apex, amp_C, fused_layer_norm_cuda, apex.optimizers.FusedAdam missing ->")
+        for line in lines
+    )
     assert any(line.startswith("NCCL: not available ->") for line in lines)
     assert any(line.startswith("Triton: not installed ->") for line in lines)
     assert CPU_LINE not in lines
@@ -86,8 +90,7 @@ def test_cli_json_and_exit_codes(capsys):
 
 
 def test_module_runs_as_a_program():
-    result = subprocess.run([sys.executable, "-m", "megatron_core.doctor"], capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run([sys.executable, "-m", "megatron_core.doctor"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[0].startswith("python ")
 
@@ -102,28 +105,37 @@ def _pyproject_requirement(name: str) -> str:
     pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
     found = [d.replace(" ", "") for d in pyproject["project"]["dependencies"] if re.match(rf"{name}\b", d)]
     assert len(found) == 1, found
-    return found[0][len(name):]
+    return found[0][len(name) :]
 
 
 def test_transformers_floor_is_one_constant():
     assert _pyproject_requirement("transformers") == doctor.TRANSFORMERS_REQUIREMENT == ">=5.24,<6"
 
 
-@pytest.mark.parametrize("version, ok", [("5.23.0", False), ("5.24.0", True), ("5.25.0.dev0", True),
-                                         ("5.30.1+local", True), ("4.57.6", False), ("6.0.0", False)])
+@pytest.mark.parametrize(
+    "version, ok",
+    [
+        ("5.23.0", False),
+        ("5.24.0", True),
+        ("5.25.0.dev0", True),
+        ("5.30.1+local", True),
+        ("4.57.6", False),
+        ("6.0.0", False),
+    ],
+)
 def test_transformers_range_bounds(version, ok):
     assert (doctor.TRANSFORMERS_FLOOR <= doctor.release(version) < doctor.TRANSFORMERS_BELOW) is ok
 
 
 def test_too_old_transformers_is_named_with_the_fix(monkeypatch, capsys):
     real = doctor._distribution_version
-    monkeypatch.setattr(doctor, "_distribution_version",
-                        lambda names: "4.57.1" if names == ("transformers",) else real(names))
+    monkeypatch.setattr(
+        doctor, "_distribution_version", lambda names: "4.57.1" if names == ("transformers",) else real(names)
+    )
     assert doctor.main(["--require", "transformers"]) == 2
     captured = capsys.readouterr()
     assert "transformers      4.57.1 (needs >=5.24,<6: NOT SUPPORTED)" in captured.out
-    assert ("transformers: 4.57.1 is outside >=5.24,<6 -> evaluation and HumanEval generation fail"
-            in captured.out)
+    assert "transformers: 4.57.1 is outside >=5.24,<6 -> evaluation and HumanEval generation fail" in captured.out
     assert "pip install 'transformers>=5.24,<6'" in captured.out
     assert "error: required but missing here: transformers;" in captured.err
 

@@ -49,9 +49,11 @@ def eval_setup(tmp_path_factory, tokenizer_files):
         for i, text in enumerate(CORPUS):
             builder.add_document([tok.encode(f"# doc {i}\n{text}").ids + [eod]])
         builder.finalize(f"{prefix}.idx")
-    recipe = tiny_recipe(data={"data_path": [str(prefix)], "split": "80,10,10"},
-                         evaluate={"reference": {"pass@1": 0.038, "pass@10": 0.0657}},
-                         training={"eval_iters": 50})
+    recipe = tiny_recipe(
+        data={"data_path": [str(prefix)], "split": "80,10,10"},
+        evaluate={"reference": {"pass@1": 0.038, "pass@10": 0.0657}},
+        training={"eval_iters": 50},
+    )
     ckpt = save_tp1(root / "ckpt", recipe, random_full_state(recipe, seed=2), *tokenizer_files)
     convert_checkpoint(ckpt, root / "hf")
     return recipe, ckpt, root / "hf", root
@@ -65,8 +67,10 @@ def test_perplexity_of_checkpoint_and_hf_dir_equal_our_fp32_full_recompute(eval_
 
     recipe, ckpt, hf_dir, root = eval_setup
     ours = load_megatron_model(ckpt)
-    reference = {name: evaluate_perplexity(ours, ds, batch_size=1, max_batches=50 * 3)
-                 for name, ds in recipe_datasets(recipe, root).items()}
+    reference = {
+        name: evaluate_perplexity(ours, ds, batch_size=1, max_batches=50 * 3)
+        for name, ds in recipe_datasets(recipe, root).items()
+    }
     from_ckpt = evaluate(recipe, ckpt, workdir=root, out_dir=root / "ev-ours", batch_size=3)
     hf = evaluate(recipe, hf_dir, workdir=root, out_dir=root / "ev-hf", batch_size=5)
     for split in ("valid", "test"):
@@ -90,16 +94,30 @@ def _records(cache) -> list[dict]:
 
 def test_humaneval_through_evaluate_resumes_from_cache(eval_setup, monkeypatch):
     recipe, _, hf_dir, root = eval_setup
-    kw = dict(workdir=root, out_dir=root / "ev-he", perplexity=False, humaneval=True, allow_code_execution=True,
-              num_samples=2, max_new_tokens=6, problems=3, temperature=0.8, k=[1, 2], generation_batch=2)
+    kw = dict(
+        workdir=root,
+        out_dir=root / "ev-he",
+        perplexity=False,
+        humaneval=True,
+        allow_code_execution=True,
+        num_samples=2,
+        max_new_tokens=6,
+        problems=3,
+        temperature=0.8,
+        k=[1, 2],
+        generation_batch=2,
+    )
     if sandbox.isolation_problem():
         pytest.skip("no user namespaces here: the weak sandbox never resumes from its cache")
     first = evaluate(recipe, hf_dir, **kw)
     assert first["humaneval"]["num_problems"] == 3 and 0.0 <= first["pass@1"] <= first["pass@2"] <= 1.0
     generation = read_json(root / "ev-he" / "evaluation.json")["humaneval"]["generation"]
     assert set(generation) == {"new_tokens", "seconds", "tokens_per_s", "device", "dtype", "batch"}
-    assert generation["new_tokens"] > 0 and (generation["device"], generation["dtype"], generation["batch"]) == \
-        ("cpu", "fp32", 2)
+    assert generation["new_tokens"] > 0 and (generation["device"], generation["dtype"], generation["batch"]) == (
+        "cpu",
+        "fp32",
+        2,
+    )
     records = _records(first["humaneval"]["cache"])
     assert len(records) == 3 and all(records[0]["completions"])
     assert records[0]["completions"][0] != records[0]["completions"][1]
@@ -129,8 +147,9 @@ def test_humaneval_through_evaluate_resumes_from_cache(eval_setup, monkeypatch):
     packed = evaluate(recipe, hf_dir, **{**kw, "out_dir": root / "ev-he-packed", "generation_batch": 4})
     assert sorted(map(json.dumps, _records(packed["humaneval"]["cache"]))) == sorted(map(json.dumps, records))
 
-    monkeypatch.setattr(runner, "generate_cached",
-                        lambda *_a, **_k: pytest.fail("cached problems were generated again"))
+    monkeypatch.setattr(
+        runner, "generate_cached", lambda *_a, **_k: pytest.fail("cached problems were generated again")
+    )
     again = evaluate(recipe, hf_dir, **kw)
     assert again["humaneval"]["passed_per_problem"] == first["humaneval"]["passed_per_problem"]
     with pytest.raises(Exception, match="allow-code-execution"):
@@ -150,13 +169,22 @@ def test_cached_generation_equals_full_recompute(eval_setup):
     counts = [3, 1, 4]
     eos = tok.convert_tokens_to_ids("<|endoftext|>")
     for temperature, stops in ((0.0, ()), (1.0, ()), (1.3, ("\n", " ", "e"))):
-        cfg = SamplingConfig(max_new_tokens=12, temperature=temperature, top_p=0.9, eos_token_id=eos,
-                             vocab_limit=len(tok), stop_sequences=stops)
+        cfg = SamplingConfig(
+            max_new_tokens=12,
+            temperature=temperature,
+            top_p=0.9,
+            eos_token_id=eos,
+            vocab_limit=len(tok),
+            stop_sequences=stops,
+        )
         uniforms = torch.rand((sum(counts), 12), dtype=torch.float64, generator=torch.Generator().manual_seed(3))
         cached = generate_cached(model, prompts, counts, cfg, decode=tok.decode, uniforms=uniforms)
         starts = np.cumsum([0] + counts)
-        full = [s for p, c, a in zip(prompts, counts, starts) for s in
-                generate(lambda ids: model(ids).logits, p, cfg, c, decode=tok.decode, uniforms=uniforms[a:a + c])]
+        full = [
+            s
+            for p, c, a in zip(prompts, counts, starts)
+            for s in generate(lambda ids: model(ids).logits, p, cfg, c, decode=tok.decode, uniforms=uniforms[a : a + c])
+        ]
         assert cached == full
         if stops:  # common stops end rows at different steps: they left the batch and the cache
             assert len({len(row) for row in cached}) > 1
@@ -207,8 +235,13 @@ def test_stop_sequences_and_eos_end_a_sample():
         return logits
 
     text = {5: "a", 6: "b", 7: "\ndef", 8: " g", 9: "h"}
-    out = generate(model_fn, [0], SamplingConfig(max_new_tokens=5, stop_sequences=HUMANEVAL_STOP), num_samples=1,
-                   decode=lambda t: "".join(text[i] for i in t))
+    out = generate(
+        model_fn,
+        [0],
+        SamplingConfig(max_new_tokens=5, stop_sequences=HUMANEVAL_STOP),
+        num_samples=1,
+        decode=lambda t: "".join(text[i] for i in t),
+    )
     assert out == [[5, 6, 7]]
     assert generate(model_fn, [0], SamplingConfig(max_new_tokens=5, eos_token_id=7)) == [[5, 6]]
 
@@ -246,12 +279,24 @@ def test_bad_input_is_one_line_nonzero_and_leaves_no_evaluation(eval_setup, tmp_
     he = ["--humaneval", "--allow-code-execution", "--problems", "1", "--max-new-tokens", "4"]
     cases = {
         "neither a Hugging Face model dir": ["--model", str(tmp_path / "not-a-model")],
-        "--num-samples 5 is smaller than the largest k of pass@k (100": ["--model", str(hf_dir), *he,
-                                                                         "--num-samples", "5"],
+        "--num-samples 5 is smaller than the largest k of pass@k (100": [
+            "--model",
+            str(hf_dir),
+            *he,
+            "--num-samples",
+            "5",
+        ],
         "--device cuda:7": ["--model", str(hf_dir), "--device", "cuda:7"],
         "--dtype 'fp8' is not known": ["--model", str(hf_dir), "--device", "cpu", "--dtype", "fp8"],
-        "--max-new-tokens 40 leaves no room for a prompt": ["--model", str(hf_dir), *he, "--num-samples", "100",
-                                                            "--max-new-tokens", "40"],
+        "--max-new-tokens 40 leaves no room for a prompt": [
+            "--model",
+            str(hf_dir),
+            *he,
+            "--num-samples",
+            "100",
+            "--max-new-tokens",
+            "40",
+        ],
     }
     for message, argv in cases.items():
         assert main(base + argv) == 2, message
@@ -272,8 +317,17 @@ def test_a_tokenizer_that_cannot_encode_the_prompts_is_refused(eval_setup, tmp_p
     tok = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]")
     refused = r"the tokenizer cannot encode the prompt of HumanEval/0: it does not decode back"
     with pytest.raises(UserError, match=refused) as info:
-        evaluate(recipe, hf_dir, tokenizer=tok, workdir=root, out_dir=tmp_path / "ev", humaneval=True,
-                 allow_code_execution=True, problems=1, num_samples=100)
+        evaluate(
+            recipe,
+            hf_dir,
+            tokenizer=tok,
+            workdir=root,
+            out_dir=tmp_path / "ev",
+            humaneval=True,
+            allow_code_execution=True,
+            problems=1,
+            num_samples=100,
+        )
     assert "\n" not in str(info.value) and not (tmp_path / "ev").exists()
 
 

@@ -24,14 +24,28 @@ N = 4  # iterations of the first run; the extension trains on to 2N
 
 
 def invoke(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "invoke", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.run(
+        [sys.executable, "-m", "invoke", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
 def test_the_run_directory_leaves_out_only_how_long_and_how_visibly_a_run_trains():
     base = load_recipe("smoke")
-    longer = load_recipe("smoke", ["train_iters=2000", "save_interval=50", "eval_interval=50",
-                                   "training.log_interval=7", "evaluate.humaneval_num_samples=8"])
+    longer = load_recipe(
+        "smoke",
+        [
+            "train_iters=2000",
+            "save_interval=50",
+            "eval_interval=50",
+            "training.log_interval=7",
+            "evaluate.humaneval_num_samples=8",
+        ],
+    )
     assert longer.hash != base.hash  # the recipe hash (checkpoints, goldens) still sees every key
     assert longer.stage_hash("train") == base.stage_hash("train")
     for other in (["lr=5e-3"], ["seed=3"], ["world_size=2", "tensor_model_parallel_size=2"], ["device=auto"]):
@@ -42,8 +56,10 @@ def test_the_run_directory_leaves_out_only_how_long_and_how_visibly_a_run_trains
 def test_the_lr_note_says_where_the_decay_now_ends():
     saved = load_recipe("smoke", ["train_iters=900"]).to_dict()
     note = lr_schedule_note(load_recipe("smoke", ["train_iters=2000"]), saved, 900)
-    assert note.startswith("lr_decay_iters follows train_iters: 900 -> 2000; the learning rate now decays to "
-                           "min_lr at 2000 (at iteration 900 it is ")
+    assert note.startswith(
+        "lr_decay_iters follows train_iters: 900 -> 2000; the learning rate now decays to "
+        "min_lr at 2000 (at iteration 900 it is "
+    )
     assert lr_schedule_note(load_recipe("smoke", ["train_iters=900"]), saved, 900) is None  # nothing moved
     fixed = load_recipe("smoke", ["train_iters=2000", "lr_decay_iters=900"])  # the user pinned the schedule
     assert lr_schedule_note(fixed, saved, 900) is None
@@ -56,13 +72,13 @@ def test_raising_train_iters_continues_the_finished_run_and_convert_finds_it(tmp
     run = workflow.run_dir(load_recipe("smoke", [f"train_iters={N}"]), tmp_path)
     assert read_tracker(run / "checkpoints") == N
 
-    extended = invoke("train", "--recipe", "smoke", "--set", f"train_iters={2 * N}", *every, "--workdir",
-                      str(tmp_path))
+    extended = invoke("train", "--recipe", "smoke", "--set", f"train_iters={2 * N}", *every, "--workdir", str(tmp_path))
     out = extended.stdout + extended.stderr
     assert extended.returncode == 0, out[-3000:]
     assert f"run directory: {run}" in out and f"at iteration {N} " in out
-    assert f"lr_decay_iters follows train_iters: {N} -> {2 * N}; the learning rate now decays to min_lr at {2 * N}" \
-        in out
+    assert (
+        f"lr_decay_iters follows train_iters: {N} -> {2 * N}; the learning rate now decays to min_lr at {2 * N}" in out
+    )
     assert "train_iters changed: the data indices are sized for the new length" in out  # the data order, said
     assert list((run.parent).iterdir()) == [run]  # no second run directory
     assert read_tracker(run / "checkpoints") == 2 * N
@@ -71,8 +87,9 @@ def test_raising_train_iters_continues_the_finished_run_and_convert_finds_it(tmp
     assert json.loads((run / "summary.json").read_text())["iteration"] == 2 * N
 
     lowered = invoke("train", "--recipe", "smoke", "--set", f"train_iters={N}", "--workdir", str(tmp_path))
-    assert lowered.returncode == 2 and f"has trained {2 * N} iterations, past training.train_iters {N}" \
-        in lowered.stderr, lowered.stderr[-1500:]
+    assert (
+        lowered.returncode == 2 and f"has trained {2 * N} iterations, past training.train_iters {N}" in lowered.stderr
+    ), lowered.stderr[-1500:]
     assert read_tracker(run / "checkpoints") == 2 * N  # refused before any work
 
     converted = invoke("convert", "--recipe", "smoke", "--workdir", str(tmp_path))  # no --set: the same run

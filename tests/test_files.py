@@ -61,6 +61,12 @@ def test_a_finished_dataset_is_on_disk_before_its_names_appear(tmp_path, monkeyp
     steps = _record_disk_steps(monkeypatch)
     builder.finalize(tmp_path / "d.idx")
     bin_tmp, idx_tmp = f"d.bin.tmp-{os.getpid()}", f"d.idx.tmp-{os.getpid()}"
-    assert steps == [("fsync", bin_tmp), ("rename", "d.bin"), ("fsync", tmp_path.name),
-                     ("fsync", idx_tmp), ("rename", "d.idx"), ("fsync", tmp_path.name)]
+    assert steps == [
+        ("fsync", bin_tmp),
+        ("rename", "d.bin"),
+        ("fsync", tmp_path.name),
+        ("fsync", idx_tmp),
+        ("rename", "d.idx"),
+        ("fsync", tmp_path.name),
+    ]
     assert IndexedDataset(tmp_path / "d")[0].tolist() == [1, 2, 3]

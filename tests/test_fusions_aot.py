@@ -38,8 +38,9 @@ needs_ptxas = pytest.mark.skipif(bundled_ptxas_problem() is not None, reason=str
 def run_aot(args, cache_dir, **env_changes):
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(cache_dir), **env_changes)
-    return subprocess.run([sys.executable, "-m", "megatron_core.fusions.aot", *args], env=env, capture_output=True,
-                          text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_core.fusions.aot", *args], env=env, capture_output=True, text=True, timeout=600
+    )
 
 
 def progress_lines(stderr: str) -> list[str]:
@@ -62,21 +63,24 @@ def test_every_kernel_compiles_for_sm90_without_spills(tmp_path):
             assert compiled == EXPECTED_KERNELS, (dtype, shapes, compiled ^ EXPECTED_KERNELS)
     # The block sizes are the launchers' own: CodeParrot-small's seq 1024 softmax rows, the awkward seq 37 ones.
     softmax = {e["shapes"]: e["constexprs"] for e in entries if e["kernel"] == "softmax_fwd" and e["dtype"] == "bf16"}
-    assert softmax == {"codeparrot-small": {"BLOCK_M": 4, "BLOCK_N": 1024},
-                       "awkward": {"BLOCK_M": 64, "BLOCK_N": 64}}
+    assert softmax == {"codeparrot-small": {"BLOCK_M": 4, "BLOCK_N": 1024}, "awkward": {"BLOCK_M": 64, "BLOCK_N": 64}}
 
     # Again from the cache: the figures come back from the ptxas report stored beside each cubin, and when a
     # cached kernel has none (cached by a plain launch) it is compiled once more to get one.
-    first = {(e["kernel"], e["shapes"]): e["registers"] for e in entries
-             if e["dtype"] == "bf16" and e["kernel"].startswith("softmax")}
+    first = {
+        (e["kernel"], e["shapes"]): e["registers"]
+        for e in entries
+        if e["dtype"] == "bf16" and e["kernel"].startswith("softmax")
+    }
     for drop_reports in (False, True):
         if drop_reports:
             reports = list((tmp_path / "triton-cache").rglob("ptxas-v.log"))
             assert len(reports) >= 24 // 2, len(reports)  # identical specialisations share one cache entry
             for report in reports:
                 report.unlink()
-        again = run_aot(["--arch", "sm_90", "--json", "--fusions", "softmax", "--dtypes", "bf16"],
-                        tmp_path / "triton-cache")
+        again = run_aot(
+            ["--arch", "sm_90", "--json", "--fusions", "softmax", "--dtypes", "bf16"], tmp_path / "triton-cache"
+        )
         assert again.returncode == 0, again.stderr[-3000:]
         assert {(e["kernel"], e["shapes"]): e["registers"] for e in json.loads(again.stdout)} == first
 
@@ -100,29 +104,32 @@ ptxas info    : Used 64 registers, used 1 barriers, 24 bytes cumulative stack si
 
 
 def test_ptxas_report_is_read():
-    assert aot.ptxas_figures(SPILLING_REPORT) == {"registers": 64, "spills": 16, "spill_loads": 16,
-                                                   "stack_bytes": 24}
+    assert aot.ptxas_figures(SPILLING_REPORT) == {"registers": 64, "spills": 16, "spill_loads": 16, "stack_bytes": 24}
     with pytest.raises(RuntimeError, match="could not read"):
         aot.ptxas_figures("ptxas info    : 0 bytes gmem")
 
 
 def test_a_spill_or_a_compile_error_fails_the_run(monkeypatch, capsys):
     """The verdict alone, with the compiler replaced: one kernel spills, one fails, one is fine."""
-    launches = [(label, types.SimpleNamespace(name=f"_{label}_kernel", num_warps=4, constexprs={"BLOCK": 64}))
-                for label in ("spills", "breaks", "fine")]
+    launches = [
+        (label, types.SimpleNamespace(name=f"_{label}_kernel", num_warps=4, constexprs={"BLOCK": 64}))
+        for label in ("spills", "breaks", "fine")
+    ]
     monkeypatch.setattr(aot, "recorded_launches", lambda _fusion, _shapes, _dtype: launches)
 
     def fake_compile(launch, _capability):
         if launch.name == "_breaks_kernel":
             raise RuntimeError("PTXASError: ptxas failed")
-        return None, SPILLING_REPORT.replace("16 bytes spill stores", "0 bytes spill stores") \
-            if launch.name == "_fine_kernel" else SPILLING_REPORT
+        return None, SPILLING_REPORT.replace(
+            "16 bytes spill stores", "0 bytes spill stores"
+        ) if launch.name == "_fine_kernel" else SPILLING_REPORT
 
     monkeypatch.setattr(aot, "compile_launch", fake_compile)
     # test_fusions_triton sets TRITON_INTERPRET=1 in this process when collected alongside; nothing is compiled here
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert aot.main(["--arch", "sm_80", "--json", "--dtypes", "bf16", "--shapes", "awkward",
-                     "--fusions", "softmax"]) == 1
+    assert (
+        aot.main(["--arch", "sm_80", "--json", "--dtypes", "bf16", "--shapes", "awkward", "--fusions", "softmax"]) == 1
+    )
     out = capsys.readouterr()
     verdicts = {entry["kernel"]: (entry["ok"], entry["spills"]) for entry in json.loads(out.out)}
     assert verdicts == {"spills": (False, 16), "breaks": (False, None), "fine": (True, 0)}

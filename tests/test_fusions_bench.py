@@ -15,8 +15,13 @@ def test_kernels_benchmark_skips_cleanly_without_a_gpu():
     from bench.kernels import run
 
     assert run() == {"skipped": "needs a CUDA GPU"}
-    result = subprocess.run([sys.executable, "-m", "bench.kernels"], capture_output=True, text=True, timeout=120,
-                            cwd=Path(__file__).resolve().parents[1])
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.kernels"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
     assert "needs a CUDA GPU" in lines[0]
@@ -28,11 +33,36 @@ def test_kernels_benchmark_runs_its_whole_flow_through_the_interpreter(tmp_path)
     """--device cpu runs what a GPU run does (check each fusion against torch, time both backends forward and
     forward+backward, write the JSON) through Triton's interpreter at tiny shapes; device times are CUDA-only."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, "-m", "bench.kernels", "--device", "cpu", "--dtype", "fp32",
-                             "--tokens", "32", "--vocab", "64", "--heads", "2", "--seq", "8",
-                             "--iters", "1", "--copy-megabytes", "1", "--results-dir", str(tmp_path)],
-                            capture_output=True, text=True, timeout=300, env=env,
-                            cwd=Path(__file__).resolve().parents[1])
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.kernels",
+            "--device",
+            "cpu",
+            "--dtype",
+            "fp32",
+            "--tokens",
+            "32",
+            "--vocab",
+            "64",
+            "--heads",
+            "2",
+            "--seq",
+            "8",
+            "--iters",
+            "1",
+            "--copy-megabytes",
+            "1",
+            "--results-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     printed = json.loads(result.stdout.strip().splitlines()[-1])
     written = json.loads(Path(printed["results_file"]).read_text())
@@ -48,8 +78,13 @@ def test_kernels_benchmark_runs_its_whole_flow_through_the_interpreter(tmp_path)
 
 def test_kernels_benchmark_refuses_triton_on_a_cpu_without_the_interpreter():
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-m", "bench.kernels", "--device", "cpu", "--tokens", "8",
-                             "--seq", "8"], capture_output=True, text=True, timeout=120, env=env,
-                            cwd=Path(__file__).resolve().parents[1])
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.kernels", "--device", "cpu", "--tokens", "8", "--seq", "8"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith("error: ") and "TRITON_INTERPRET=1" in result.stderr

@@ -58,8 +58,10 @@ def test_bias_gelu_on_a_cpu_is_the_tanh_formula_forward_and_backward(dtype):
     torch.testing.assert_close(got[0], want[0], **tol)
     torch.testing.assert_close(got[1], want[1], rtol=tol["rtol"], atol=tol["atol"] * 40)  # a sum of 33 rows
     if dtype == torch.float64:
-        assert torch.autograd.gradcheck(lambda a, b: bias_gelu(a, b, backend="torch"),
-                                        (x[:3, :5].detach().requires_grad_(), bias[:5].detach().requires_grad_()))
+        assert torch.autograd.gradcheck(
+            lambda a, b: bias_gelu(a, b, backend="torch"),
+            (x[:3, :5].detach().requires_grad_(), bias[:5].detach().requires_grad_()),
+        )
 
 
 def test_bias_gelu_on_a_cpu_keeps_f_gelu_for_16_bit_inputs():
@@ -106,8 +108,12 @@ def test_cross_entropy_reference_is_f_cross_entropy(dtype):
     (grad,) = torch.autograd.grad(loss, logits, dy)
     (grad_expected,) = torch.autograd.grad(expected, full, dy)
     assert grad.dtype == dtype
-    torch.testing.assert_close(grad.float(), grad_expected, rtol=1e-5 if dtype == torch.float32 else 1.6e-2,
-                               atol=1e-6 if dtype == torch.float32 else 1e-3)
+    torch.testing.assert_close(
+        grad.float(),
+        grad_expected,
+        rtol=1e-5 if dtype == torch.float32 else 1.6e-2,
+        atol=1e-6 if dtype == torch.float32 else 1e-3,
+    )
 
 
 def test_cross_entropy_of_16_bit_logits_leaves_them_alone_even_inplace():
@@ -142,22 +148,27 @@ def test_cross_entropy_inplace_reuses_the_logits_and_gives_the_same_loss_and_gra
 def test_resolve_backends_on_cpu_and_overrides():
     auto = resolve_backends("auto", device="cpu")
     assert auto == FusionBackends(device="cpu", attention="sdpa")
-    assert auto.describe() == ("backends on cpu: attention=sdpa, layer_norm=torch, bias_gelu=torch, "
-                               "bias_dropout_add=torch, softmax=torch, cross_entropy=torch")
+    assert auto.describe() == (
+        "backends on cpu: attention=sdpa, layer_norm=torch, bias_gelu=torch, "
+        "bias_dropout_add=torch, softmax=torch, cross_entropy=torch"
+    )
     assert resolve_backends("torch", {"softmax": "auto"}, device=torch.device("cpu")).softmax == "torch"
     assert resolve_backends(device="cpu", attention="unfused").attention == "unfused"
     with pytest.raises(UserError, match="attention_backend: 'blocked' is not one of auto, sdpa, unfused"):
         resolve_backends(device="cpu", attention="blocked")
 
 
-@pytest.mark.parametrize("fusions,overrides,message", [
-    ("fast", None, "not one of auto"),
-    ("auto", {"attention": "torch"}, "unknown fusions"),
-    ("auto", {"softmax": "apex"}, "Apex has no kernel for softmax"),
-    ("apex", None, "Apex kernels need a CUDA device"),
-    ("auto", {"layer_norm": "cudnn"}, "unknown backend"),
-    ("compile", None, "not one of auto, triton, apex, torch"),
-])
+@pytest.mark.parametrize(
+    "fusions,overrides,message",
+    [
+        ("fast", None, "not one of auto"),
+        ("auto", {"attention": "torch"}, "unknown fusions"),
+        ("auto", {"softmax": "apex"}, "Apex has no kernel for softmax"),
+        ("apex", None, "Apex kernels need a CUDA device"),
+        ("auto", {"layer_norm": "cudnn"}, "unknown backend"),
+        ("compile", None, "not one of auto, triton, apex, torch"),
+    ],
+)
 def test_resolve_backends_errors_name_the_problem(fusions, overrides, message):
     with pytest.raises(UserError, match=message):
         resolve_backends(fusions, overrides, device="cpu")
@@ -217,14 +228,23 @@ def test_fusions_triton_gives_the_fusions_without_a_kernel_the_best_other_backen
 
     monkeypatch.setattr(backends, "apex_problem", lambda _: None if apex_runs else "Apex is not usable")
     chosen = resolve_backends("triton", device="cuda")
-    assert chosen == FusionBackends(layer_norm="apex" if apex_runs else "torch", softmax="triton",
-                                    cross_entropy="triton", device="cuda", note=chosen.note, attention="sdpa")
+    assert chosen == FusionBackends(
+        layer_norm="apex" if apex_runs else "torch",
+        softmax="triton",
+        cross_entropy="triton",
+        device="cuda",
+        note=chosen.note,
+        attention="sdpa",
+    )
     assert chosen.describe().endswith(
-        "(triton has no kernel for layer_norm, bias_gelu, bias_dropout_add: they run the best other backend)")
+        "(triton has no kernel for layer_norm, bias_gelu, bias_dropout_add: they run the best other backend)"
+    )
 
 
-@pytest.mark.parametrize("fusion,choices", [("layer_norm", "auto, apex, torch"), ("bias_gelu", "auto, torch"),
-                                            ("bias_dropout_add", "auto, torch")])
+@pytest.mark.parametrize(
+    "fusion,choices",
+    [("layer_norm", "auto, apex, torch"), ("bias_gelu", "auto, torch"), ("bias_dropout_add", "auto, torch")],
+)
 @pytest.mark.usefixtures("usable_triton_on_cuda")
 def test_a_triton_override_for_a_deleted_kernel_is_refused(fusion, choices):
     with pytest.raises(UserError, match=f"no Triton kernel for {fusion} .*; use one of {choices}$"):
@@ -272,12 +292,12 @@ def _vocab_parallel_worker(rank: int, init_file: str, backends: list) -> None:
         shard = slice(rank * 750, (rank + 1) * 750)
         for backend in backends:
             local = full[:, shard].clone().requires_grad_()
-            loss = cross_entropy(local, labels, group=dist.group.WORLD, vocab_start_index=rank * 750,
-                                 backend=backend)
+            loss = cross_entropy(local, labels, group=dist.group.WORLD, vocab_start_index=rank * 750, backend=backend)
             (grad,) = torch.autograd.grad(loss, local, dy)
             torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5, msg=f"{backend} loss, rank {rank}")
-            torch.testing.assert_close(grad, expected_grad[:, shard], rtol=1e-5, atol=1e-6,
-                                       msg=f"{backend} grad, rank {rank}")
+            torch.testing.assert_close(
+                grad, expected_grad[:, shard], rtol=1e-5, atol=1e-6, msg=f"{backend} grad, rank {rank}"
+            )
     finally:
         dist.destroy_process_group()
 
@@ -288,5 +308,9 @@ def test_vocab_parallel_cross_entropy_on_two_gloo_ranks(monkeypatch):
     # interpreted, whatever this process imported before.
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with tempfile.TemporaryDirectory() as scratch:
-        mp.spawn(_vocab_parallel_worker, args=(os.path.join(scratch, "rendezvous"), ["torch", "triton"]),
-                 nprocs=WORLD, join=True)
+        mp.spawn(
+            _vocab_parallel_worker,
+            args=(os.path.join(scratch, "rendezvous"), ["torch", "triton"]),
+            nprocs=WORLD,
+            join=True,
+        )

@@ -47,14 +47,20 @@ from megatron_core.fusions.backends import triton_problem  # noqa: E402
 from megatron_core.fusions.cross_entropy import cross_entropy_reference  # noqa: E402
 from megatron_core.fusions.softmax import scaled_causal_softmax_reference  # noqa: E402
 
-MODE_LINE = (f"fusion kernel tests: compiled mode (CUDA tensors, Triton kernels compiled for "
-             f"{torch.cuda.get_device_name()})" if COMPILED else
-             "fusion kernel tests: interpreter mode (CPU tensors, TRITON_INTERPRET=1)")
+MODE_LINE = (
+    f"fusion kernel tests: compiled mode (CUDA tensors, Triton kernels compiled for {torch.cuda.get_device_name()})"
+    if COMPILED
+    else "fusion kernel tests: interpreter mode (CPU tensors, TRITON_INTERPRET=1)"
+)
 TRITON_PROBLEM = triton_problem(DEVICE)
 needs_triton_here = pytest.mark.skipif(
     TRITON_PROBLEM is not None,
-    reason=(f"not in this process ({TRITON_PROBLEM}); test_triton_cases_in_a_fresh_process runs them"
-            if not COMPILED else f"Triton cannot run on the GPU: {TRITON_PROBLEM}"))
+    reason=(
+        f"not in this process ({TRITON_PROBLEM}); test_triton_cases_in_a_fresh_process runs them"
+        if not COMPILED
+        else f"Triton cannot run on the GPU: {TRITON_PROBLEM}"
+    ),
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -142,9 +148,15 @@ def compare_fwd_bwd(name, fused, reference, inputs, dtype):
         assert_close(f"{name} grad of input {index}", grad, grad_ref, dtype)
 
 
-SOFTMAX_GRID = ([((1, 1, 1, 1), torch.float32), ((2, 3, 7, 7), torch.float32), ((1, 2, 33, 33), torch.float32),
-                 ((1, 1, 64, 64), torch.float32), ((1, 1, 1000, 1000), torch.float32),
-                 ((2, 2, 33, 33), torch.float16), ((1, 2, 64, 64), torch.bfloat16)])
+SOFTMAX_GRID = [
+    ((1, 1, 1, 1), torch.float32),
+    ((2, 3, 7, 7), torch.float32),
+    ((1, 2, 33, 33), torch.float32),
+    ((1, 1, 64, 64), torch.float32),
+    ((1, 1, 1000, 1000), torch.float32),
+    ((2, 2, 33, 33), torch.float16),
+    ((1, 2, 64, 64), torch.bfloat16),
+]
 
 
 @needs_triton_here
@@ -153,12 +165,20 @@ SOFTMAX_GRID = ([((1, 1, 1, 1), torch.float32), ((2, 3, 7, 7), torch.float32), (
 def test_scaled_causal_softmax_matches_reference(shape, dtype):
     scale = 0.125
     scores = leaf(torch.randn(shape) * 4, dtype)
-    compare_fwd_bwd("softmax", lambda s: scaled_causal_softmax(s, scale, backend="triton"),
-                    lambda s: scaled_causal_softmax_reference(s, scale), [scores], dtype)
+    compare_fwd_bwd(
+        "softmax",
+        lambda s: scaled_causal_softmax(s, scale, backend="triton"),
+        lambda s: scaled_causal_softmax_reference(s, scale),
+        [scores],
+        dtype,
+    )
 
 
-CROSS_ENTROPY_GRID = ([(rows, vocab, torch.float32) for vocab in (64, 1000, 1536, 9000) for rows in (1, 7, 33)]
-                      + [(7, 1000, torch.float16), (33, 9000, torch.float16), (7, 1536, torch.bfloat16)])
+CROSS_ENTROPY_GRID = [(rows, vocab, torch.float32) for vocab in (64, 1000, 1536, 9000) for rows in (1, 7, 33)] + [
+    (7, 1000, torch.float16),
+    (33, 9000, torch.float16),
+    (7, 1536, torch.bfloat16),
+]
 
 
 @needs_triton_here
@@ -173,8 +193,13 @@ def test_cross_entropy_matches_reference(rows, vocab, dtype):
         return F.cross_entropy(lg, labels, reduction="none")
 
     compare_fwd_bwd("cross_entropy", lambda lg: cross_entropy(lg, labels, backend="triton"), plain, [logits], dtype)
-    compare_fwd_bwd("cross_entropy vs torch backend", lambda lg: cross_entropy(lg, labels, backend="triton"),
-                    lambda lg: cross_entropy_reference(lg, labels), [leaf(logits.detach(), dtype)], dtype)
+    compare_fwd_bwd(
+        "cross_entropy vs torch backend",
+        lambda lg: cross_entropy(lg, labels, backend="triton"),
+        lambda lg: cross_entropy_reference(lg, labels),
+        [leaf(logits.detach(), dtype)],
+        dtype,
+    )
 
 
 @needs_triton_here
@@ -190,19 +215,31 @@ def test_cross_entropy_with_a_shard_offset_matches_the_torch_backend():
     ours = cross_entropy(logits, labels, vocab_start_index=500, backend="triton")
     theirs = cross_entropy(logits, labels, vocab_start_index=500, backend="torch")
     assert_close("in-shard loss", ours[in_shard], theirs[in_shard], torch.float32)
-    assert_close("sharded grad", torch.autograd.grad(ours.sum(), logits)[0],
-                 torch.autograd.grad(theirs.sum(), logits)[0], torch.float32)
+    assert_close(
+        "sharded grad",
+        torch.autograd.grad(ours.sum(), logits)[0],
+        torch.autograd.grad(theirs.sum(), logits)[0],
+        torch.float32,
+    )
 
 
 @needs_triton_here
 @pytest.mark.usefixtures("poisoned_outputs")
 def test_non_contiguous_inputs_are_copied_contiguous():
     scores = torch.randn(2, 7, 3, 7).transpose(1, 2)  # [2, 3, 7, 7], not contiguous
-    assert_close("softmax", scaled_causal_softmax(scores, 0.5, backend="triton"),
-                 scaled_causal_softmax_reference(scores, 0.5), torch.float32)
+    assert_close(
+        "softmax",
+        scaled_causal_softmax(scores, 0.5, backend="triton"),
+        scaled_causal_softmax_reference(scores, 0.5),
+        torch.float32,
+    )
     logits, labels = torch.randn(1000, 7).t(), torch.randint(0, 1000, (7,))
-    assert_close("cross_entropy", cross_entropy(logits, labels, backend="triton"),
-                 F.cross_entropy(logits, labels, reduction="none"), torch.float32)
+    assert_close(
+        "cross_entropy",
+        cross_entropy(logits, labels, backend="triton"),
+        F.cross_entropy(logits, labels, reduction="none"),
+        torch.float32,
+    )
 
 
 @needs_triton_here
@@ -231,16 +268,24 @@ def test_compiled_graph_keeps_the_triton_ops_opaque():
     x = torch.randn(2, 3, 7, 7, requires_grad=True)
     explanation = torch._dynamo.explain(block)(x)
     assert explanation.graph_break_count == 0, explanation.break_reasons
-    traced = "".join(module.code for graph in explanation.graphs for module in graph.modules()  # with fwd bodies
-                     if isinstance(module, torch.fx.GraphModule))
+    traced = "".join(
+        module.code
+        for graph in explanation.graphs
+        for module in graph.modules()  # with fwd bodies
+        if isinstance(module, torch.fx.GraphModule)
+    )
     for op in ("causal_softmax_fwd", "cross_entropy_fwd"):
         assert f"megatron_fusions.{op}" in traced, f"{op} was not traced as the custom op:\n{traced}"
     compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
     eager_out = block(x)
     compiled_out = compiled(x)
     assert_close("compiled", compiled_out, eager_out, torch.float32)
-    assert_close("compiled grad", torch.autograd.grad(compiled_out.sum(), x)[0],
-                 torch.autograd.grad(eager_out.sum(), x)[0], torch.float32)
+    assert_close(
+        "compiled grad",
+        torch.autograd.grad(compiled_out.sum(), x)[0],
+        torch.autograd.grad(eager_out.sum(), x)[0],
+        torch.float32,
+    )
 
 
 @needs_triton_here
@@ -253,8 +298,9 @@ def test_eager_calls_launch_directly_without_the_dispatcher(monkeypatch):
     def broken(*_args):
         raise AssertionError("an eager call went through the torch custom op")
 
-    ops = [value for module in _kernel_modules() for value in vars(module).values()
-           if isinstance(value, _common.KernelOp)]
+    ops = [
+        value for module in _kernel_modules() for value in vars(module).values() if isinstance(value, _common.KernelOp)
+    ]
     assert len(ops) == 4, [op.__name__ for op in ops]
     for op in ops:
         monkeypatch.setattr(op, "op", broken)
@@ -281,8 +327,10 @@ def _kernel_modules():
 
 def launch_key(launch):
     """What a compile depends on: kernel, constexprs, num_warps, and each argument's dtype/shape or value."""
-    args = tuple(("tensor", a.dtype, tuple(a.shape)) if isinstance(a, torch.Tensor) else (type(a).__name__, a)
-                 for a in launch.args)
+    args = tuple(
+        ("tensor", a.dtype, tuple(a.shape)) if isinstance(a, torch.Tensor) else (type(a).__name__, a)
+        for a in launch.args
+    )
     return launch.name, tuple(launch.grid), tuple(sorted(launch.constexprs.items())), launch.num_warps, args
 
 
@@ -304,15 +352,21 @@ def test_aot_compiles_the_launches_the_ops_make(fusion, dtype, monkeypatch):
     real_run = _common.run
     monkeypatch.setattr(_common, "run", lambda launch: (made.append(launch_key(launch)), real_run(launch)))
     if fusion == "softmax":
-        out = scaled_causal_softmax(leaf(torch.randn(shapes.batch, shapes.heads, shapes.seq, shapes.seq), dtype),
-                                    0.125, backend="triton")
+        out = scaled_causal_softmax(
+            leaf(torch.randn(shapes.batch, shapes.heads, shapes.seq, shapes.seq), dtype), 0.125, backend="triton"
+        )
     else:
-        out = cross_entropy(leaf(torch.randn(shapes.tokens, shapes.vocab), dtype),
-                            torch.randint(0, shapes.vocab, (shapes.tokens,)), backend="triton")
+        out = cross_entropy(
+            leaf(torch.randn(shapes.tokens, shapes.vocab), dtype),
+            torch.randint(0, shapes.vocab, (shapes.tokens,)),
+            backend="triton",
+        )
     out.float().sum().backward()
     recorded = {launch_key(launch) for _, launch in aot.recorded_launches(fusion, shapes, dtype)}
-    assert made and set(made) == recorded, (f"launched but not compiled ahead of time: {set(made) - recorded}; "
-                                            f"compiled ahead of time but never launched: {recorded - set(made)}")
+    assert made and set(made) == recorded, (
+        f"launched but not compiled ahead of time: {set(made) - recorded}; "
+        f"compiled ahead of time but never launched: {recorded - set(made)}"
+    )
 
 
 def test_triton_cases_in_a_fresh_process():
@@ -322,7 +376,11 @@ def test_triton_cases_in_a_fresh_process():
         pytest.skip("this process runs the interpreter cases itself")
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     assert "fusion kernel tests: interpreter mode" in result.stdout, result.stdout[-3000:]
     print(result.stdout.strip().splitlines()[-1])

@@ -22,9 +22,22 @@ VALID = {8: 5.6000}
 def write_metrics(path: Path, train=TRAIN, valid=VALID, extra_lines=()) -> Path:
     lines = []
     for it, loss in train.items():
-        lines.append({"type": "train", "iteration": it, "consumed_samples": it * 8, "lm_loss": loss, "lr": 1e-3,
-                      "grad_norm": 1.0, "loss_scale": 1.0, "elapsed_ms": 5.0, "tokens_per_s": 1.0, "tflops": 0.0,
-                      "skipped": 0, "nan": 0})
+        lines.append(
+            {
+                "type": "train",
+                "iteration": it,
+                "consumed_samples": it * 8,
+                "lm_loss": loss,
+                "lr": 1e-3,
+                "grad_norm": 1.0,
+                "loss_scale": 1.0,
+                "elapsed_ms": 5.0,
+                "tokens_per_s": 1.0,
+                "tflops": 0.0,
+                "skipped": 0,
+                "nan": 0,
+            }
+        )
     for it, loss in valid.items():
         lines.append({"type": "valid", "iteration": it, "lm_loss": loss, "ppl": math.exp(loss)})
     path.write_text("\n".join([json.dumps(x) for x in lines] + list(extra_lines)) + "\n")
@@ -75,19 +88,27 @@ def test_drift_within_tolerance_passes_beyond_fails_with_table(made, tmp_path):
 
 def test_missing_extra_and_nan_values_fail(made, tmp_path):
     gdir, _ = made
-    changed = write_metrics(tmp_path / "m.jsonl", train={2: 6.24, 4: float("nan"), 6: 5.8, 10: 5.0},
-                             valid={})
+    changed = write_metrics(tmp_path / "m.jsonl", train={2: 6.24, 4: float("nan"), 6: 5.8, 10: 5.0}, valid={})
     comparison = golden.compare(golden.load_golden("smoke", gdir), golden.read_metrics(changed))
     status = {(row.split, row.iteration): row.status for row in comparison.rows}
-    assert status == {("train", 2): "ok", ("train", 4): "DRIFT", ("train", 6): "ok", ("train", 8): "MISSING",
-                      ("train", 10): "EXTRA", ("valid", 8): "MISSING"}
+    assert status == {
+        ("train", 2): "ok",
+        ("train", 4): "DRIFT",
+        ("train", 6): "ok",
+        ("train", 8): "MISSING",
+        ("train", 10): "EXTRA",
+        ("valid", 8): "MISSING",
+    }
     assert not comparison.ok
 
 
 def test_changed_recipe_is_reported(made):
     gdir, metrics = made
-    with pytest.raises(golden.GoldenError, match="the recipe changed since the golden was made "
-                                                 r"\(hash def456, golden abc123\)"):
+    with pytest.raises(
+        golden.GoldenError,
+        match="the recipe changed since the golden was made "
+        r"\(hash def456, golden abc123\)",
+    ):
         golden.check("smoke", metrics, gdir, recipe_hash="def456")
 
 
@@ -179,13 +200,15 @@ def test_sanity_judges_the_iterations_that_stepped_and_counts_fp16_skips(tmp_pat
     """An fp16 run's first intervals, all skipped by the loss scaler, log lm_loss null: sanity leaves them out
     and reports the skips; a NaN-guard iteration (`nan`) or a null loss in an interval that skipped nothing
     still fails."""
+
     def record(it, loss, skipped=0, nan=0):
         return json.dumps({"type": "train", "iteration": it, "lm_loss": loss, "skipped": skipped, "nan": nan})
 
     skipped = [record(2, None, skipped=2), record(4, None, skipped=2)]
     path = write_metrics(tmp_path / "fp16.jsonl", train={6: 6.0, 8: 5.5}, extra_lines=skipped)
-    assert golden.sanity(path) == ("sane: 2 train values, lm_loss 6.0000 -> 5.5000; "
-                                   "4 iterations skipped (fp16 loss scaling)")
+    assert golden.sanity(path) == (
+        "sane: 2 train values, lm_loss 6.0000 -> 5.5000; 4 iterations skipped (fp16 loss scaling)"
+    )
     flagged = write_metrics(tmp_path / "nan.jsonl", train={6: 6.0, 8: 5.5}, extra_lines=[record(4, None, 1, 1)])
     with pytest.raises(golden.GoldenError, match="non-finite"):
         golden.sanity(flagged)

@@ -13,7 +13,6 @@ from megatron_core.data.indexed_dataset import IndexedDatasetBuilder
 from megatron_core.errors import UserError
 
 
-
 def _megatron_datasets_modules():
     """megatron-core's real dataset code, imported without `megatron/core/__init__.py`.
 
@@ -63,9 +62,16 @@ def _megatron(data_prefix, split, seq_length, sizes, seed, cache):
     Builder, GPTDataset, GPTDatasetConfig, _ = _megatron_datasets_modules()
     prefixes, weights = blending.parse_data_prefix(data_prefix)
     config = GPTDatasetConfig(
-        random_seed=seed, sequence_length=seq_length, blend=(prefixes, weights), split=split,
-        path_to_cache=None if cache is None else str(cache), tokenizer=_StubTokenizer(), reset_position_ids=False,
-        reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=(prefixes, weights),
+        split=split,
+        path_to_cache=None if cache is None else str(cache),
+        tokenizer=_StubTokenizer(),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
     )
     assert not config.mock
     return Builder(GPTDataset, list(sizes), lambda: True, config).build()
@@ -97,8 +103,9 @@ CASES = {
 def test_same_samples_as_megatron_core(case, data, tmp_path):
     name, split, seq_length, sizes, seed = CASES[case]
     reference = _megatron(data[name], split, seq_length, sizes, seed, tmp_path / "megatron")
-    ours = gpt_dataset.build_gpt_datasets(data[name], split=split, seq_length=seq_length, num_samples=sizes, seed=seed,
-                                          cache_dir=str(tmp_path / "ours"))
+    ours = gpt_dataset.build_gpt_datasets(
+        data[name], split=split, seq_length=seq_length, num_samples=sizes, seed=seed, cache_dir=str(tmp_path / "ours")
+    )
     for r, o in zip(reference, ours):
         _assert_same(r, o)
         if o is not None:
@@ -128,8 +135,9 @@ def test_blend_of_two_prefixes_matches_megatron_core(data, tmp_path):
     # megatron-core's BlendedDataset saves its cache only under torch.distributed; without a
     # cache path it builds in memory (its GPTDatasets then cache beside the data files).
     reference = _megatron(blend, "90,8,2", 32, sizes, 3, None)
-    ours = gpt_dataset.build_gpt_datasets(blend, split="90,8,2", seq_length=32, num_samples=sizes, seed=3,
-                                          cache_dir=str(tmp_path / "ours"))
+    ours = gpt_dataset.build_gpt_datasets(
+        blend, split="90,8,2", seq_length=32, num_samples=sizes, seed=3, cache_dir=str(tmp_path / "ours")
+    )
     for r, o in zip(reference, ours):
         assert np.array_equal(r.dataset_index, o.dataset_index)
         assert np.array_equal(r.dataset_sample_index, o.dataset_sample_index)
@@ -218,17 +226,26 @@ def test_samples_per_split_and_split_string():
 
 def test_bad_input_messages(data, tmp_path):
     with pytest.raises(UserError, match="split"):
-        gpt_dataset.build_gpt_datasets(data["a"], split="a,b", seq_length=8, num_samples=(1, 1, 1), seed=1,
-                                       cache_dir=str(tmp_path))
+        gpt_dataset.build_gpt_datasets(
+            data["a"], split="a,b", seq_length=8, num_samples=(1, 1, 1), seed=1, cache_dir=str(tmp_path)
+        )
     with pytest.raises(UserError, match="not found"):
-        gpt_dataset.build_gpt_datasets(str(tmp_path / "missing"), split="1", seq_length=8, num_samples=(1, 0, 0),
-                                       seed=1, cache_dir=str(tmp_path))
+        gpt_dataset.build_gpt_datasets(
+            str(tmp_path / "missing"), split="1", seq_length=8, num_samples=(1, 0, 0), seed=1, cache_dir=str(tmp_path)
+        )
     with pytest.raises(UserError, match="0 of 200 documents"):
-        gpt_dataset.build_gpt_datasets(data["a"], split="999,1,0", seq_length=8, num_samples=(1, 1, 0), seed=1,
-                                       cache_dir=str(tmp_path))
+        gpt_dataset.build_gpt_datasets(
+            data["a"], split="999,1,0", seq_length=8, num_samples=(1, 1, 0), seed=1, cache_dir=str(tmp_path)
+        )
     with pytest.raises(UserError, match="weight"):
-        gpt_dataset.build_gpt_datasets(["x", data["a"], "0.5", data["b"]], split="1", seq_length=8,
-                                       num_samples=(1, 0, 0), seed=1, cache_dir=str(tmp_path))
+        gpt_dataset.build_gpt_datasets(
+            ["x", data["a"], "0.5", data["b"]],
+            split="1",
+            seq_length=8,
+            num_samples=(1, 0, 0),
+            seed=1,
+            cache_dir=str(tmp_path),
+        )
 
 
 def _build_on_rank(prefix, cache_dir):
@@ -236,8 +253,9 @@ def _build_on_rank(prefix, cache_dir):
 
     with pytest.MonkeyPatch.context() as monkeypatch:
         builds = count_index_builds(monkeypatch)
-        train, valid, test = gpt_dataset.build_gpt_datasets(prefix, split="90,8,2", seq_length=32,
-                                                            num_samples=(200, 20, 5), seed=5, cache_dir=cache_dir)
+        train, valid, test = gpt_dataset.build_gpt_datasets(
+            prefix, split="90,8,2", seq_length=32, num_samples=(200, 20, 5), seed=5, cache_dir=cache_dir
+        )
     return {
         "rank": dist.get_rank(),
         "built": len(builds),

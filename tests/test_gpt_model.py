@@ -20,8 +20,16 @@ SEED = 1234
 
 
 def tiny_config(**overrides) -> ModelConfig:
-    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=8,
-                max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0)
+    base = dict(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_hidden_size=64,
+        seq_length=8,
+        max_position_embeddings=16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     return ModelConfig(**{**base, **overrides})
 
 
@@ -34,13 +42,20 @@ def batch(b=2, s=8, seed=0):
 
 def layer_shapes(i, h, f, tp=1):
     p = f"encoder.layers.{i}."
-    return {p + "input_layernorm.weight": (h,), p + "input_layernorm.bias": (h,),
-            p + "self_attention.query_key_value.weight": (3 * h // tp, h),
-            p + "self_attention.query_key_value.bias": (3 * h // tp,),
-            p + "self_attention.dense.weight": (h, h // tp), p + "self_attention.dense.bias": (h,),
-            p + "post_attention_layernorm.weight": (h,), p + "post_attention_layernorm.bias": (h,),
-            p + "mlp.dense_h_to_4h.weight": (f // tp, h), p + "mlp.dense_h_to_4h.bias": (f // tp,),
-            p + "mlp.dense_4h_to_h.weight": (h, f // tp), p + "mlp.dense_4h_to_h.bias": (h,)}
+    return {
+        p + "input_layernorm.weight": (h,),
+        p + "input_layernorm.bias": (h,),
+        p + "self_attention.query_key_value.weight": (3 * h // tp, h),
+        p + "self_attention.query_key_value.bias": (3 * h // tp,),
+        p + "self_attention.dense.weight": (h, h // tp),
+        p + "self_attention.dense.bias": (h,),
+        p + "post_attention_layernorm.weight": (h,),
+        p + "post_attention_layernorm.bias": (h,),
+        p + "mlp.dense_h_to_4h.weight": (f // tp, h),
+        p + "mlp.dense_h_to_4h.bias": (f // tp,),
+        p + "mlp.dense_4h_to_h.weight": (h, f // tp),
+        p + "mlp.dense_4h_to_h.bias": (h,),
+    }
 
 
 @pytest.mark.parametrize("untie", [False, True], ids=["tied", "untied"])
@@ -53,8 +68,10 @@ def test_parameter_names_and_shapes_per_pipeline_stage(untie):
         model = GPTModel(cfg, par, VOCAB, pre_process=pre, post_process=post, layer_offset=offset)
         expected = layer_shapes(0, h, f)  # stage-local numbering
         if pre:
-            expected |= {"embedding.word_embeddings.weight": (VOCAB, h),
-                         "embedding.position_embeddings.weight": (cfg.max_position_embeddings, h)}
+            expected |= {
+                "embedding.word_embeddings.weight": (VOCAB, h),
+                "embedding.position_embeddings.weight": (cfg.max_position_embeddings, h),
+            }
         if post:
             expected |= {"encoder.final_layernorm.weight": (h,), "encoder.final_layernorm.bias": (h,)}
             head = "output_layer.weight" if untie else "word_embeddings_for_head.weight"
@@ -80,9 +97,8 @@ def test_initialization_follows_megatron():
     model = GPTModel(cfg, ParallelConfig(), VOCAB, init_seed=SEED)
     params = dict(model.named_parameters())
     assert_close(params["embedding.word_embeddings.weight"].std().item(), 0.02, rtol=0.05, atol=0)
-    assert_close(params["encoder.layers.0.mlp.dense_4h_to_h.weight"].std().item(), 0.02 / 8 ** 0.5, rtol=0.05, atol=0)
-    assert_close(params["encoder.layers.3.self_attention.dense.weight"].std().item(), 0.02 / 8 ** 0.5, rtol=0.05,
-                 atol=0)
+    assert_close(params["encoder.layers.0.mlp.dense_4h_to_h.weight"].std().item(), 0.02 / 8**0.5, rtol=0.05, atol=0)
+    assert_close(params["encoder.layers.3.self_attention.dense.weight"].std().item(), 0.02 / 8**0.5, rtol=0.05, atol=0)
     assert torch.all(params["encoder.layers.1.input_layernorm.weight"] == 1)
     assert torch.all(params["encoder.layers.1.mlp.dense_h_to_4h.bias"] == 0)
     again = GPTModel(cfg, ParallelConfig(), VOCAB, init_seed=SEED)
@@ -132,8 +148,9 @@ def test_pipeline_stages_chained_by_hand_equal_the_whole_model():
     got_first, got_last = _grads(first), _grads(last)
     # Tied embedding: the whole model's gradient is the sum of both stages' (the embedding-group all-reduce).
     assert_close(first.embedding.word_embeddings.weight, last.word_embeddings_for_head.weight)
-    assert_close(got_first.pop("embedding.word_embeddings.weight") + got_last.pop("word_embeddings_for_head.weight"),
-                 tied)
+    assert_close(
+        got_first.pop("embedding.word_embeddings.weight") + got_last.pop("word_embeddings_for_head.weight"), tied
+    )
     for stage, grads in ((first, got_first), (last, got_last)):
         for name, grad in grads.items():
             assert_close(grad, want[stage.global_parameter_name(name)], msg=name)
@@ -223,8 +240,9 @@ def _tp_recompute_with_dropout():
     results = {}
     for granularity in (None, "full", "selective"):
         cfg = tiny_config(hidden_dropout=0.1, attention_dropout=0.1)
-        par = ParallelConfig(world_size=2, tensor_model_parallel_size=2, sequence_parallel=True,
-                             recompute_granularity=granularity)
+        par = ParallelConfig(
+            world_size=2, tensor_model_parallel_size=2, sequence_parallel=True, recompute_granularity=granularity
+        )
         model = GPTModel(cfg, par, VOCAB, init_seed=SEED)
         model_parallel_manual_seed(SEED)
         ids, pos, labels = batch()

@@ -19,9 +19,26 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_every_part_runs_on_the_cpu_and_writes_the_summary(tmp_path):
     results = tmp_path / "results"
-    proc = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--device", "cpu", "--workdir",
-                           str(tmp_path / "work"), "--results-dir", str(results), "--time-scale", "3"],
-                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.gpu_check",
+            "--device",
+            "cpu",
+            "--workdir",
+            str(tmp_path / "work"),
+            "--results-dir",
+            str(results),
+            "--time-scale",
+            "3",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:]
     summary_file = results / Path(json.loads(proc.stdout.splitlines()[-1])["results_file"]).name
     summary = json.loads(summary_file.read_text())

@@ -15,8 +15,15 @@ VOCAB, MICRO_BATCHES = 96, 16
 
 
 def _model() -> GPTModel:
-    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=2, seq_length=16, max_position_embeddings=16,
-                      hidden_dropout=0.0, attention_dropout=0.0)
+    cfg = ModelConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=2,
+        seq_length=16,
+        max_position_embeddings=16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     return GPTModel(cfg, ParallelConfig(), VOCAB, init_seed=3).to(torch.bfloat16)
 
 
@@ -129,8 +136,9 @@ def test_loaded_optimizer_state_sits_on_its_parameters_device_and_dtype(monkeypa
     assert opt.step()[0]
     saved = opt.state_dict()
     if distributed:  # one DP rank: its pieces are whole (flat) parameters; load_state_dict takes whole tensors
-        saved["param_state"] = {name: {k: t for k, t in piece.items() if k != "start"}
-                                for name, piece in opt.param_state().items()}
+        saved["param_state"] = {
+            name: {k: t for k, t in piece.items() if k != "start"} for name, piece in opt.param_state().items()
+        }
     wrapped2, opt2 = build()
     opt2.load_state_dict(saved)
     _adam_state_is_where_it_lives(opt2.optimizer)
@@ -144,8 +152,9 @@ def test_fp16_buffers_feed_the_distributed_optimizers_fp32_masters():
     optimizer's fp32 master pieces still take their gradients (as fp32) and step."""
     from megatron_core.optimizer import AdamSettings, DistributedOptimizer
 
-    wrapped = DistributedDataParallel(_model().to(torch.float16), ParallelConfig(), grad_dtype=torch.float16,
-                                      reduce_kind="reduce_scatter")
+    wrapped = DistributedDataParallel(
+        _model().to(torch.float16), ParallelConfig(), grad_dtype=torch.float16, reduce_kind="reduce_scatter"
+    )
     opt = DistributedOptimizer(wrapped, AdamSettings(1e-3, 0.0), precision="fp16")
     before = [p.detach().clone() for p in wrapped.module.parameters()]
     _loss(wrapped, next(_micro_batches())).backward()

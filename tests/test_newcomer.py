@@ -28,8 +28,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def invoke(*args: str, cwd: Path = ROOT, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "invoke", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.run(
+        [sys.executable, "-m", "invoke", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
 def run_task(*argv: str) -> tuple[int, str]:
@@ -77,12 +83,16 @@ def test_the_readme_training_example_is_accepted_and_a_too_short_run_names_the_k
     overrides = [words[i + 1] for i, w in enumerate(words) if w == "--set"]
     check_training_values(load_recipe(words[words.index("--recipe") + 1], overrides))  # as `invoke train` checks it
 
-    with pytest.raises(UserError, match=r"training\.lr_warmup_iters 50 must be below training\.train_iters 50 .*"
-                                        r"--set training\.lr_warmup_iters=5 "):
+    with pytest.raises(
+        UserError,
+        match=r"training\.lr_warmup_iters 50 must be below training\.train_iters 50 .*"
+        r"--set training\.lr_warmup_iters=5 ",
+    ):
         load_recipe("codeparrot-tiny", ["training.train_iters=50"])
     check_training_values(load_recipe("codeparrot-tiny", ["training.train_iters=50", "training.lr_warmup_iters=5"]))
-    refused = run_task("train", "--recipe", "codeparrot-tiny", "--set", "training.train_iters=50", "--workdir",
-                       str(tmp_path / "w"))
+    refused = run_task(
+        "train", "--recipe", "codeparrot-tiny", "--set", "training.train_iters=50", "--workdir", str(tmp_path / "w")
+    )
     assert "training.lr_warmup_iters" in one_line_error(*refused)
     assert not (tmp_path / "w").exists()  # refused before any data step
 
@@ -113,8 +123,11 @@ def test_every_task_answers_help_and_dash_h_is_help():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
 def test_cuda_without_a_gpu_is_refused_before_launch(tmp_path):
-    refused = one_line_error(*run_task("train", "--recipe", "smoke", "--set", "device=cuda", "--nproc", "2",
-                                        "--workdir", str(tmp_path / "w")))
+    refused = one_line_error(
+        *run_task(
+            "train", "--recipe", "smoke", "--set", "device=cuda", "--nproc", "2", "--workdir", str(tmp_path / "w")
+        )
+    )
     assert "no visible CUDA GPU" in refused and "--set device=cpu" in refused and not (tmp_path / "w").exists()
 
 
@@ -148,8 +161,11 @@ def test_the_pipeline_says_where_things_are(smoke_run):
     _, run, proc = smoke_run
     out = proc.stdout
     assert out.index("train: starting 1 process(es) for 20 iterations") < out.index("iteration        2/")
-    for line in (f"train: loss curve: {run / 'loss_curve.png'}", f"train: TensorBoard: {run / 'tensorboard'}",
-                 f"pipeline: model {run / 'hf'}, evaluation {run / 'eval' / 'evaluation.md'}"):
+    for line in (
+        f"train: loss curve: {run / 'loss_curve.png'}",
+        f"train: TensorBoard: {run / 'tensorboard'}",
+        f"pipeline: model {run / 'hf'}, evaluation {run / 'eval' / 'evaluation.md'}",
+    ):
         assert line in out
     assert re.search(r"train: finished at iteration 20: valid loss \d\.\d{4}, test loss \d\.\d{4}", out)
     assert out.count("[workflow] corpus: ") == 2  # building, done: never "up to date" besides
@@ -171,8 +187,7 @@ def test_up_to_date_steps_are_said_once(smoke_run, capsys):
 def test_a_finished_run_rerun_is_a_no_op_and_keeps_earlier_humaneval(smoke_run):
     workdir, run, _ = smoke_run
     final = run / "checkpoints" / "iter_0000020"
-    watched = [run / "metrics.jsonl", run / "summary.json", run / "eval" / "evaluation.json",
-               *sorted(final.rglob("*"))]
+    watched = [run / "metrics.jsonl", run / "summary.json", run / "eval" / "evaluation.json", *sorted(final.rglob("*"))]
     before = {p: (p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else None) for p in watched}
     code, again = run_task("pipeline", "--recipe", "smoke", "--workdir", str(workdir))
     assert code == 0, again[-3000:]
@@ -246,13 +261,33 @@ def test_the_converted_model_knows_its_context_window(smoke_run, capsys):
 def test_a_pipeline_whose_training_is_stopped_converts_and_evaluates_nothing(smoke_run):
     workdir, _, _ = smoke_run
     # a run of its own (seed): a raised train_iters alone would extend smoke_run's finished run in place
-    long = ["training.train_iters=100000", "training.save_interval=null", "training.log_interval=1",
-            "training.eval_interval=100000", "training.seed=2"]
+    long = [
+        "training.train_iters=100000",
+        "training.save_interval=null",
+        "training.log_interval=1",
+        "training.eval_interval=100000",
+        "training.seed=2",
+    ]
     run = workflow.run_dir(load_recipe("smoke", long), workdir)
-    proc = subprocess.Popen([sys.executable, "-m", "invoke", "pipeline", "--recipe", "smoke", "--workdir", str(workdir),
-                             *[a for item in long for a in ("--set", item)]], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "invoke",
+            "pipeline",
+            "--recipe",
+            "smoke",
+            "--workdir",
+            str(workdir),
+            *[a for item in long for a in ("--set", item)],
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     try:
         deadline = time.time() + 120
         while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().count("\n") >= 2):

@@ -61,20 +61,52 @@ BASELINE = Layout("single process")
 
 def make_recipe(layout: Layout, **training) -> Recipe:
     raw = {
-        "name": "parallel-proof", "version": 1,
+        "name": "parallel-proof",
+        "version": 1,
         "tokenizer": {"vocab_size": VOCAB},
-        "model": dict(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=SEQ,
-                      max_position_embeddings=SEQ, hidden_dropout=0.0, attention_dropout=0.0,
-                      make_vocab_size_divisible_by=64, attention_backend="unfused"),
-        "parallel": dict(world_size=layout.world_size, tensor_model_parallel_size=layout.tp,
-                         pipeline_model_parallel_size=layout.pp, sequence_parallel=layout.sequence_parallel,
-                         use_distributed_optimizer=layout.distributed_optimizer,
-                         recompute_granularity=layout.recompute, ddp_bucket_size=4000,
-                         num_layers_per_virtual_pipeline_stage=layout.vpp_layers),
-        "training": {**dict(micro_batch_size=layout.micro_batch_size, global_batch_size=GLOBAL_BATCH,
-                            train_iters=ITERATIONS, lr=2e-3, min_lr=2e-4, lr_decay_style="cosine", lr_warmup_iters=2,
-                            lr_decay_iters=ITERATIONS, weight_decay=0.01, clip_grad=1.0, seed=SEED, log_interval=1,
-                            eval_interval=1000, eval_iters=0, fusions="torch", device="cpu"), **training},
+        "model": dict(
+            num_layers=4,
+            hidden_size=32,
+            num_attention_heads=4,
+            ffn_hidden_size=64,
+            seq_length=SEQ,
+            max_position_embeddings=SEQ,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            make_vocab_size_divisible_by=64,
+            attention_backend="unfused",
+        ),
+        "parallel": dict(
+            world_size=layout.world_size,
+            tensor_model_parallel_size=layout.tp,
+            pipeline_model_parallel_size=layout.pp,
+            sequence_parallel=layout.sequence_parallel,
+            use_distributed_optimizer=layout.distributed_optimizer,
+            recompute_granularity=layout.recompute,
+            ddp_bucket_size=4000,
+            num_layers_per_virtual_pipeline_stage=layout.vpp_layers,
+        ),
+        "training": {
+            **dict(
+                micro_batch_size=layout.micro_batch_size,
+                global_batch_size=GLOBAL_BATCH,
+                train_iters=ITERATIONS,
+                lr=2e-3,
+                min_lr=2e-4,
+                lr_decay_style="cosine",
+                lr_warmup_iters=2,
+                lr_decay_iters=ITERATIONS,
+                weight_decay=0.01,
+                clip_grad=1.0,
+                seed=SEED,
+                log_interval=1,
+                eval_interval=1000,
+                eval_iters=0,
+                fusions="torch",
+                device="cpu",
+            ),
+            **training,
+        },
     }
     return recipe_from_dict(raw)
 
@@ -88,8 +120,12 @@ class SyntheticTokens(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> dict:
         generator = torch.Generator().manual_seed(10_000 + index)
         text = torch.randint(0, VOCAB, (SEQ + 1,), generator=generator)
-        return {"tokens": text[:-1].contiguous(), "labels": text[1:].contiguous(),
-                "loss_mask": torch.ones(SEQ), "position_ids": torch.arange(SEQ)}
+        return {
+            "tokens": text[:-1].contiguous(),
+            "labels": text[1:].contiguous(),
+            "loss_mask": torch.ones(SEQ),
+            "position_ids": torch.arange(SEQ),
+        }
 
 
 def build(recipe: Recipe):
@@ -99,16 +135,26 @@ def build(recipe: Recipe):
 
     p = recipe.parallel
     if dist.is_initialized():
-        ps.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                                     p.virtual_pipeline_model_parallel_size(recipe.model.num_layers))
+        ps.initialize_model_parallel(
+            p.tensor_model_parallel_size,
+            p.pipeline_model_parallel_size,
+            p.virtual_pipeline_model_parallel_size(recipe.model.num_layers),
+        )
     seed_everything(recipe.training.seed)
-    _, model, module, optimizer = build_model_and_optimizer(recipe, recipe.padded_vocab_size(VOCAB),
-                                                            torch.device("cpu"))
+    _, model, module, optimizer = build_model_and_optimizer(
+        recipe, recipe.padded_vocab_size(VOCAB), torch.device("cpu")
+    )
     return model, module, optimizer
 
 
-def trainer_for(recipe: Recipe, run_dir: Path, save: Optional[Path] = None, load: Optional[Path] = None,
-                datasets=None, save_optim: bool = True):
+def trainer_for(
+    recipe: Recipe,
+    run_dir: Path,
+    save: Optional[Path] = None,
+    load: Optional[Path] = None,
+    datasets=None,
+    save_optim: bool = True,
+):
     """The real Trainer over this rank's build(recipe), on `datasets` (train, valid, test), default
     the synthetic tokens. Below train()'s recipe checks: the CPU tests of fp16's machinery run here."""
     from megatron_core.pretrain_gpt import precision_of
@@ -117,14 +163,31 @@ def trainer_for(recipe: Recipe, run_dir: Path, save: Optional[Path] = None, load
     model, module, optimizer = build(recipe)
     precision, dtype = precision_of(recipe)
     logger = RunLogger(run_dir, writer=_is_log_writer(), tensorboard=False)
-    return Trainer(recipe, model, datasets or (SyntheticTokens(), None, None), recipe.padded_vocab_size(VOCAB),
-                   run_dir, optimizer=optimizer, device=torch.device("cpu"), save=save, load=load,
-                   save_optim=save_optim, logger=logger, precision=precision,
-                   params_dtype=str(dtype).replace("torch.", "")), module
+    return Trainer(
+        recipe,
+        model,
+        datasets or (SyntheticTokens(), None, None),
+        recipe.padded_vocab_size(VOCAB),
+        run_dir,
+        optimizer=optimizer,
+        device=torch.device("cpu"),
+        save=save,
+        load=load,
+        save_optim=save_optim,
+        logger=logger,
+        precision=precision,
+        params_dtype=str(dtype).replace("torch.", ""),
+    ), module
 
 
-def fit(recipe: Recipe, run_dir: Path, save: Optional[Path] = None, load: Optional[Path] = None, datasets=None,
-        save_optim: bool = True):
+def fit(
+    recipe: Recipe,
+    run_dir: Path,
+    save: Optional[Path] = None,
+    load: Optional[Path] = None,
+    datasets=None,
+    save_optim: bool = True,
+):
     """Train with the real loop (trainer_for); returns (model as the loop saw it, GPTModel, optimizer,
     losses by iteration on the log-writing rank, else None)."""
     trainer, module = trainer_for(recipe, run_dir, save, load, datasets, save_optim)
@@ -144,9 +207,14 @@ def rank_params(module: GPTModel) -> dict:
 
 
 def rank_summary(layout: Layout, module, losses) -> dict:
-    return {"layout": layout.name, "losses": losses, "params": rank_params(module),
-            "tp_rank": ps.get_tensor_model_parallel_rank(), "pp_rank": ps.get_pipeline_model_parallel_rank(),
-            "dp_rank": ps.get_data_parallel_rank()}
+    return {
+        "layout": layout.name,
+        "losses": losses,
+        "params": rank_params(module),
+        "tp_rank": ps.get_tensor_model_parallel_rank(),
+        "pp_rank": ps.get_pipeline_model_parallel_rank(),
+        "dp_rank": ps.get_data_parallel_rank(),
+    }
 
 
 def train_layout(layout: Layout, run_root: str) -> dict:
@@ -254,11 +322,22 @@ def first_step_grads(layout: Layout) -> dict:
     try:
         recipe = make_recipe(layout)
         model, module, _ = build(recipe)
-        iterator = batch_iterator(SyntheticTokens(), consumed_samples=0, micro_batch_size=layout.micro_batch_size,
-                                  dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
-                                  device=torch.device("cpu"))
-        losses = get_forward_backward_func()(gpt_forward_step, iterator, model, layout.num_microbatches,
-                                             seq_length=SEQ, micro_batch_size=layout.micro_batch_size)
+        iterator = batch_iterator(
+            SyntheticTokens(),
+            consumed_samples=0,
+            micro_batch_size=layout.micro_batch_size,
+            dp_rank=ps.get_data_parallel_rank(),
+            dp_size=ps.get_data_parallel_world_size(),
+            device=torch.device("cpu"),
+        )
+        losses = get_forward_backward_func()(
+            gpt_forward_step,
+            iterator,
+            model,
+            layout.num_microbatches,
+            seq_length=SEQ,
+            micro_batch_size=layout.micro_batch_size,
+        )
         summary = rank_summary(layout, module, None)
         summary["losses"] = [float(d["lm loss"]) for d in losses]
         tp_rank = ps.get_tensor_model_parallel_rank()
@@ -266,18 +345,22 @@ def first_step_grads(layout: Layout) -> dict:
         for name, param in module.named_parameters():
             dim = param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
             summary["params"].setdefault(module.global_parameter_name(name), []).append(
-                (gradient(param).detach().clone(), dim, tp_rank))
+                (gradient(param).detach().clone(), dim, tp_rank)
+            )
         return summary
     finally:
         ps.destroy_model_parallel()
 
 
-def two_and_four_rank_work(layouts: list[Layout], resume: Optional[Layout], run_root: str,
-                           entry_layouts: tuple = (), grad_layouts: tuple = ()) -> dict:
+def two_and_four_rank_work(
+    layouts: list[Layout], resume: Optional[Layout], run_root: str, entry_layouts: tuple = (), grad_layouts: tuple = ()
+) -> dict:
     torch.set_num_threads(1)
-    results = {"layouts": [train_layout(layout, run_root) for layout in layouts],
-               "entry": [train_entry_point(layout, run_root) for layout in entry_layouts],
-               "grads": [first_step_grads(layout) for layout in grad_layouts]}
+    results = {
+        "layouts": [train_layout(layout, run_root) for layout in layouts],
+        "entry": [train_entry_point(layout, run_root) for layout in entry_layouts],
+        "grads": [first_step_grads(layout) for layout in grad_layouts],
+    }
     if resume is not None:
         results["resume"] = train_interrupted(resume, run_root, stop_at=ITERATIONS // 2)
     return results
@@ -317,15 +400,20 @@ assert all(layout.num_microbatches >= 1 for layout in TWO_RANK_LAYOUTS + FOUR_RA
 
 
 # Through megatron_core.pretrain_gpt.train() itself, not only the Trainer with this module's build().
-ENTRY_LAYOUTS = (Layout("PP2", pp=2), Layout("DP2 distributed optimizer", dp=2, distributed_optimizer=True),
-                 Layout("PP2 VPP2", pp=2, vpp_layers=1))
+ENTRY_LAYOUTS = (
+    Layout("PP2", pp=2),
+    Layout("DP2 distributed optimizer", dp=2, distributed_optimizer=True),
+    Layout("PP2 VPP2", pp=2, vpp_layers=1),
+)
 ENTRY_XFAIL: dict[str, str] = {}  # layouts of the entry point known not to match (none)
 
 
 # Gradients after one forward_backward, compared directly (the interleaved schedule's own proof;
 # the layouts above compare losses and weights after ITERATIONS steps).
-GRAD_LAYOUTS = {2: (PP2_VPP2,), 4: (Layout("TP2xPP2 VPP2", tp=2, pp=2, vpp_layers=1),
-                                    Layout("DP2xPP2 VPP2", pp=2, dp=2, vpp_layers=1))}
+GRAD_LAYOUTS = {
+    2: (PP2_VPP2,),
+    4: (Layout("TP2xPP2 VPP2", tp=2, pp=2, vpp_layers=1), Layout("DP2xPP2 VPP2", pp=2, dp=2, vpp_layers=1)),
+}
 
 
 @pytest.fixture(scope="module")
@@ -343,16 +431,18 @@ def baseline(run_root) -> dict:
 def two_rank(run_root) -> dict:
     from distributed_utils import run_distributed
 
-    return run_distributed(two_and_four_rank_work, 2, TWO_RANK_LAYOUTS, PP2_VPP2, run_root, ENTRY_LAYOUTS,
-                           GRAD_LAYOUTS[2], timeout=300)
+    return run_distributed(
+        two_and_four_rank_work, 2, TWO_RANK_LAYOUTS, PP2_VPP2, run_root, ENTRY_LAYOUTS, GRAD_LAYOUTS[2], timeout=300
+    )
 
 
 @pytest.fixture(scope="module")
 def four_rank(run_root) -> dict:
     from distributed_utils import run_distributed
 
-    return run_distributed(two_and_four_rank_work, 4, FOUR_RANK_LAYOUTS, TP2_PP2, run_root, (), GRAD_LAYOUTS[4],
-                           timeout=300)
+    return run_distributed(
+        two_and_four_rank_work, 4, FOUR_RANK_LAYOUTS, TP2_PP2, run_root, (), GRAD_LAYOUTS[4], timeout=300
+    )
 
 
 def test_baseline_learns(baseline):
@@ -374,7 +464,7 @@ def assert_resume_is_exact(resumed_ranks: list[dict], straight_ranks: list[dict]
     uninterrupted = layout_losses(straight_ranks)
     resumed = [r["losses"] for r in resumed_ranks if r["losses"] is not None][0]
     assert sorted(resumed) == list(range(ITERATIONS // 2 + 1, ITERATIONS + 1)), resumed
-    assert [resumed[it] for it in sorted(resumed)] == uninterrupted[ITERATIONS // 2:]  # bit for bit
+    assert [resumed[it] for it in sorted(resumed)] == uninterrupted[ITERATIONS // 2 :]  # bit for bit
     continued, straight = merge_params(resumed_ranks), merge_params(straight_ranks)
     assert set(continued) == set(straight)
     for name, copies in straight.items():
@@ -405,8 +495,9 @@ def test_pp2_vpp2_checkpoint_holds_chunks_and_converts_to_the_trained_model(two_
         assert state["args"].virtual_pipeline_model_parallel_size == 2
         assert state["args"].num_layers_per_virtual_pipeline_stage == 1
         for chunk in ("model0", "model1"):
-            assert sorted(k for k in state[chunk]["language_model"]["encoder"] if k.startswith("layers.")) == \
-                sorted(f"layers.0.{n}" for n in _LAYER_PARAMS)  # one layer per chunk, numbered locally
+            assert sorted(k for k in state[chunk]["language_model"]["encoder"] if k.startswith("layers.")) == sorted(
+                f"layers.0.{n}" for n in _LAYER_PARAMS
+            )  # one layer per chunk, numbered locally
     assert "embedding" in first["model0"]["language_model"] and "embedding" not in first["model1"]["language_model"]
     assert "word_embeddings_for_head" in last["model1"] and "word_embeddings_for_head" not in last["model0"]
     assert "final_layernorm.weight" in last["model1"]["language_model"]["encoder"]
@@ -418,10 +509,18 @@ def test_pp2_vpp2_checkpoint_holds_chunks_and_converts_to_the_trained_model(two_
         assert torch.equal(tensor, trained[name][0]), name
 
 
-_LAYER_PARAMS = [f"{module}.{leaf}" for module in ("input_layernorm", "self_attention.query_key_value",
-                                                     "self_attention.dense", "post_attention_layernorm",
-                                                     "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")
-                 for leaf in ("weight", "bias")]
+_LAYER_PARAMS = [
+    f"{module}.{leaf}"
+    for module in (
+        "input_layernorm",
+        "self_attention.query_key_value",
+        "self_attention.dense",
+        "post_attention_layernorm",
+        "mlp.dense_h_to_4h",
+        "mlp.dense_4h_to_h",
+    )
+    for leaf in ("weight", "bias")
+]
 
 
 @pytest.fixture(scope="module")
@@ -429,10 +528,19 @@ def entry_baseline(run_root) -> dict[int, float]:
     return train_entry_point(BASELINE, run_root)
 
 
-@pytest.mark.parametrize("index", [
-    pytest.param(i, id=layout.name, marks=[pytest.mark.xfail(reason=ENTRY_XFAIL[layout.name], strict=True)]
-                 if layout.name in ENTRY_XFAIL else [])
-    for i, layout in enumerate(ENTRY_LAYOUTS)])
+@pytest.mark.parametrize(
+    "index",
+    [
+        pytest.param(
+            i,
+            id=layout.name,
+            marks=[pytest.mark.xfail(reason=ENTRY_XFAIL[layout.name], strict=True)]
+            if layout.name in ENTRY_XFAIL
+            else [],
+        )
+        for i, layout in enumerate(ENTRY_LAYOUTS)
+    ],
+)
 def test_train_entry_point_matches_single_process(two_rank, entry_baseline, index):
     losses = [rank["entry"][index] for rank in two_rank if rank["entry"][index] is not None][0]
     assert sorted(losses) == sorted(entry_baseline) == list(range(1, ITERATIONS + 1))
@@ -446,8 +554,11 @@ def baseline_grads() -> dict:
     return first_step_grads(BASELINE)
 
 
-@pytest.mark.parametrize("world,index", [(w, i) for w in sorted(GRAD_LAYOUTS) for i in range(len(GRAD_LAYOUTS[w]))],
-                         ids=[layout.name for w in sorted(GRAD_LAYOUTS) for layout in GRAD_LAYOUTS[w]])
+@pytest.mark.parametrize(
+    "world,index",
+    [(w, i) for w in sorted(GRAD_LAYOUTS) for i in range(len(GRAD_LAYOUTS[w]))],
+    ids=[layout.name for w in sorted(GRAD_LAYOUTS) for layout in GRAD_LAYOUTS[w]],
+)
 def test_interleaved_first_step_grads_match_single_process(request, baseline_grads, world, index):
     """Every gradient (both copies of the tied embedding included) and every micro batch's loss
     of one interleaved forward_backward equal the single process's."""
@@ -459,7 +570,7 @@ def test_interleaved_first_step_grads_match_single_process(request, baseline_gra
         if r["pp_rank"] != layout.pp - 1:
             assert r["losses"] == []
             continue
-        want = baseline_grads["losses"][r["dp_rank"]::layout.dp]
+        want = baseline_grads["losses"][r["dp_rank"] :: layout.dp]
         assert r["losses"] == pytest.approx(want, rel=1e-6, abs=0), f"{name}: losses {r['losses']} vs {want}"
     merged, reference = merge_params(results), merge_params([baseline_grads])
     assert set(merged) == set(reference)

@@ -47,8 +47,10 @@ def test_a_world_that_does_not_split_into_tp_x_pp_blocks_is_refused():
     (tests/test_model_spec.py)."""
     with pytest.raises(ps.ParallelLayoutError) as info:
         ps.rank_layout(6, 4, 1)
-    assert str(info.value) == ("impossible parallel layout: world size 6 is not divisible by "
-                               "tensor_model_parallel_size 4 x pipeline_model_parallel_size 1 = 4")
+    assert str(info.value) == (
+        "impossible parallel layout: world size 6 is not divisible by "
+        "tensor_model_parallel_size 4 x pipeline_model_parallel_size 1 = 4"
+    )
     assert isinstance(info.value, UserError)
     with pytest.raises(ps.ParallelLayoutError, match="pipeline_model_parallel_size must be >= 1 \\(got 0\\)"):
         ps.rank_layout(4, 2, 0)
@@ -76,11 +78,17 @@ def _groups_on_four_ranks():
         return [int(t.item()) for t in out]
 
     return {
-        "tp": (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
-               members(ps.get_tensor_model_parallel_group())),
+        "tp": (
+            ps.get_tensor_model_parallel_rank(),
+            ps.get_tensor_model_parallel_world_size(),
+            members(ps.get_tensor_model_parallel_group()),
+        ),
         "dp": (ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), members(ps.get_data_parallel_group())),
-        "pp": (ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size(),
-               members(ps.get_pipeline_model_parallel_group())),
+        "pp": (
+            ps.get_pipeline_model_parallel_rank(),
+            ps.get_pipeline_model_parallel_world_size(),
+            members(ps.get_pipeline_model_parallel_group()),
+        ),
         "model": members(ps.get_model_parallel_group()),
         "embedding": members(ps.get_embedding_group()),
         "first_last": (ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()),
@@ -91,8 +99,12 @@ def _groups_on_four_ranks():
 @pytest.mark.slow
 def test_real_groups_on_four_gloo_ranks():
     results = run_distributed(_groups_on_four_ranks, 4)
-    expected = {0: ((0, [0, 1]), (0, [0]), (0, [0, 2])), 1: ((1, [0, 1]), (0, [1]), (0, [1, 3])),
-                2: ((0, [2, 3]), (0, [2]), (1, [0, 2])), 3: ((1, [2, 3]), (0, [3]), (1, [1, 3]))}
+    expected = {
+        0: ((0, [0, 1]), (0, [0]), (0, [0, 2])),
+        1: ((1, [0, 1]), (0, [1]), (0, [1, 3])),
+        2: ((0, [2, 3]), (0, [2]), (1, [0, 2])),
+        3: ((1, [2, 3]), (0, [3]), (1, [1, 3])),
+    }
     for rank, got in enumerate(results):
         (tp_rank, tp_members), (dp_rank, dp_members), (pp_rank, pp_members) = expected[rank]
         assert got["tp"] == (tp_rank, 2, tp_members)
@@ -110,12 +122,19 @@ def test_stage_layers_contiguous_and_megatrons_interleaved_layout():
 
     assert [stage_layers(8, 2, r) for r in range(2)] == [range(0, 4), range(4, 8)]
     # L 8, PP 2, 2 layers per virtual stage: rank 0 holds 0-1 and 4-5, rank 1 holds 2-3 and 6-7.
-    layout = {(r, c): list(stage_layers(8, 2, r, num_layers_per_virtual_pipeline_stage=2, virtual_rank=c))
-              for r in range(2) for c in range(2)}
+    layout = {
+        (r, c): list(stage_layers(8, 2, r, num_layers_per_virtual_pipeline_stage=2, virtual_rank=c))
+        for r in range(2)
+        for c in range(2)
+    }
     assert layout == {(0, 0): [0, 1], (1, 0): [2, 3], (0, 1): [4, 5], (1, 1): [6, 7]}
     # every layer exactly once over PP 4 x 3 chunks of 1 layer
-    held = sorted(l for r in range(4) for c in range(3)
-                  for l in stage_layers(12, 4, r, num_layers_per_virtual_pipeline_stage=1, virtual_rank=c))
+    held = sorted(
+        l
+        for r in range(4)
+        for c in range(3)
+        for l in stage_layers(12, 4, r, num_layers_per_virtual_pipeline_stage=1, virtual_rank=c)
+    )
     assert held == list(range(12))
 
 
@@ -142,8 +161,11 @@ def test_collective_tensors_are_made_on_the_training_device_whatever_the_backend
     monkeypatch.setattr(ps, "_COLLECTIVE_DEVICE", None)
     assert ps.get_collective_device() == "cpu"  # gloo, before a run names its device
     ps.set_collective_device(torch.device("meta"))  # stands for CUDA: any device but the CPU
-    for call in (lambda: trainer._any_rank(True), lambda: trainer._average_over_dp(1.0),
-                 lambda: checkpointing._on_every_rank(True, 3, Path("x"))):
+    for call in (
+        lambda: trainer._any_rank(True),
+        lambda: trainer._average_over_dp(1.0),
+        lambda: checkpointing._on_every_rank(True, 3, Path("x")),
+    ):
         with pytest.raises(Recorded):
             call()
     assert seen == ["meta"] * 3

@@ -19,7 +19,7 @@ PP = 4
 
 def stage_weights() -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(7)
-    return [torch.randn(HIDDEN, HIDDEN, generator=generator) / HIDDEN ** 0.5 for _ in range(PP)]
+    return [torch.randn(HIDDEN, HIDDEN, generator=generator) / HIDDEN**0.5 for _ in range(PP)]
 
 
 def micro_batch(index: int) -> torch.Tensor:
@@ -85,12 +85,26 @@ def run_schedules(micro_batch_counts: list[int]) -> list[dict]:
 
                 return output, loss_func
 
-            stats = schedule(forward_step, iter(range(count)), LocalModel(model), count, seq_length=SEQ,
-                             micro_batch_size=MICRO, forward_only=forward_only, hidden_size=HIDDEN,
-                             sequence_parallel=False)
-            results.append({"count": count, "forward_only": forward_only, "events": "".join(events),
-                            "losses": [float(s["lm loss"]) for s in stats],
-                            "grad": None if model.weight.grad is None else model.weight.grad.clone()})
+            stats = schedule(
+                forward_step,
+                iter(range(count)),
+                LocalModel(model),
+                count,
+                seq_length=SEQ,
+                micro_batch_size=MICRO,
+                forward_only=forward_only,
+                hidden_size=HIDDEN,
+                sequence_parallel=False,
+            )
+            results.append(
+                {
+                    "count": count,
+                    "forward_only": forward_only,
+                    "events": "".join(events),
+                    "losses": [float(s["lm loss"]) for s in stats],
+                    "grad": None if model.weight.grad is None else model.weight.grad.clone(),
+                }
+            )
     return results
 
 
@@ -155,7 +169,7 @@ class ToyChunks(torch.nn.Module):
 
 def chain_weights(stages: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(11)
-    return [torch.randn(HIDDEN, HIDDEN, generator=generator) / HIDDEN ** 0.5 for _ in range(stages)]
+    return [torch.randn(HIDDEN, HIDDEN, generator=generator) / HIDDEN**0.5 for _ in range(stages)]
 
 
 def chain_grads(stages: int, num_microbatches: int):
@@ -202,14 +216,30 @@ def run_interleaved(pp: int, v: int, micro_batch_counts: list[int]) -> dict:
                 return output, loss_func
 
             stats = forward_backward_pipelining_with_interleaving(
-                forward_step, data(), model, count, seq_length=SEQ, micro_batch_size=MICRO,
-                forward_only=forward_only, hidden_size=HIDDEN, sequence_parallel=False)
-            results.append({"count": count, "forward_only": forward_only, "events": events, "reads": reads,
-                            "losses": [float(s["lm loss"]) for s in stats],
-                            "grads": [None if c.weight.grad is None else c.weight.grad.clone() for c in chunks]})
+                forward_step,
+                data(),
+                model,
+                count,
+                seq_length=SEQ,
+                micro_batch_size=MICRO,
+                forward_only=forward_only,
+                hidden_size=HIDDEN,
+                sequence_parallel=False,
+            )
+            results.append(
+                {
+                    "count": count,
+                    "forward_only": forward_only,
+                    "events": events,
+                    "reads": reads,
+                    "losses": [float(s["lm loss"]) for s in stats],
+                    "grads": [None if c.weight.grad is None else c.weight.grad.clone() for c in chunks],
+                }
+            )
     try:
-        forward_backward_pipelining_with_interleaving(lambda _it, _m: None, iter(()), model, pp + 1,
-                                                      seq_length=SEQ, micro_batch_size=MICRO, hidden_size=HIDDEN)
+        forward_backward_pipelining_with_interleaving(
+            lambda _it, _m: None, iter(()), model, pp + 1, seq_length=SEQ, micro_batch_size=MICRO, hidden_size=HIDDEN
+        )
         refused = None
     except UserError as exc:
         refused = str(exc)
@@ -249,8 +279,10 @@ def test_interleaved_order_is_megatrons(interleaved):
         for result in rank["results"]:
             if result["forward_only"]:
                 continue
-            assert result["events"] == interleaved_order(pp, v, rank["rank"], result["count"]), \
-                (rank["rank"], result["count"])
+            assert result["events"] == interleaved_order(pp, v, rank["rank"], result["count"]), (
+                rank["rank"],
+                result["count"],
+            )
             assert result["reads"] == list(range(result["count"]))  # the data iterator is read once per micro batch
 
 

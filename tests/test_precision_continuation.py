@@ -23,10 +23,15 @@ from training_fixtures import (  # noqa: F401 - fixtures
 
 PRECISIONS = {"fp32": (), "bf16": ("bf16=true",), "fp16": ("fp16=true", "initial_loss_scale=1024")}
 ITERS, AT = 20, 12  # the runs are 20 iterations long; continuations start from the checkpoint at 12
-COMMON = (f"train_iters={ITERS}", f"save_interval={AT}", "eval_iters=0", "hidden_dropout=0.0", "attention_dropout=0.0",
-          "lr=3e-2", "min_lr=1e-3")
-
-
+COMMON = (
+    f"train_iters={ITERS}",
+    f"save_interval={AT}",
+    "eval_iters=0",
+    "hidden_dropout=0.0",
+    "attention_dropout=0.0",
+    "lr=3e-2",
+    "min_lr=1e-3",
+)
 
 
 def _recipe(precision: str):

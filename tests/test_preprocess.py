@@ -14,6 +14,7 @@ from megatron_core.data.preprocess import main, preprocess, preprocess_args
 from megatron_core.data.tokenizer import GPT2BPETokenizer
 
 from training_fixtures import MEGATRON_PREPROCESS_FIXTURE as FIXTURE
+
 VOCAB, MERGES = str(FIXTURE / "vocab.json"), str(FIXTURE / "merges.txt")
 
 
@@ -37,17 +38,41 @@ def test_golden_byte_identical_to_megatron(tmp_path, workers):
         assert ours == (FIXTURE / f"megatron_content_document.{ext}").read_bytes(), ext
     assert summary["documents"] == 301 and summary["empty_documents_kept"] == {"content": 10}
     assert summary["sequences"] == {"content": 291}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["megatron_content_document.bin",
-                                                          "megatron_content_document.idx"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "megatron_content_document.bin",
+        "megatron_content_document.idx",
+    ]
 
 
 def test_cli_golden_and_progress_line(tmp_path):
     run = subprocess.run(
-        [sys.executable, "-m", "megatron_core.data.preprocess", "--input", str(FIXTURE / "corpus.jsonl"),
-         "--output-prefix", str(tmp_path / "m"), "--vocab-file", VOCAB, "--merge-file", MERGES,
-         "--tokenizer-type", "GPT2BPETokenizer", "--json-keys", "content", "--append-eod", "--workers", "2",
-         "--partitions", "2", "--log-interval", "100"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "megatron_core.data.preprocess",
+            "--input",
+            str(FIXTURE / "corpus.jsonl"),
+            "--output-prefix",
+            str(tmp_path / "m"),
+            "--vocab-file",
+            VOCAB,
+            "--merge-file",
+            MERGES,
+            "--tokenizer-type",
+            "GPT2BPETokenizer",
+            "--json-keys",
+            "content",
+            "--append-eod",
+            "--workers",
+            "2",
+            "--partitions",
+            "2",
+            "--log-interval",
+            "100",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert run.returncode == 0, run.stderr
     assert "Processed 300 documents (" in run.stderr and "MB/s" in run.stderr and "tokens/s" in run.stderr
@@ -80,8 +105,9 @@ def test_legacy_impls_hold_the_same_tokens(tmp_path):
         preprocess(_args(corpus, tmp_path / impl, append_eod=True, dataset_impl=impl))
         assert (tmp_path / f"{impl}_content_document.idx").read_bytes()[:8] == b"TNTIDX\x00\x00"
         assert _read(tmp_path / f"{impl}_content_document") == reference
-        assert ((tmp_path / f"{impl}_content_document.bin").read_bytes()
-                == (tmp_path / "mmap_content_document.bin").read_bytes())
+        assert (tmp_path / f"{impl}_content_document.bin").read_bytes() == (
+            tmp_path / "mmap_content_document.bin"
+        ).read_bytes()
 
 
 def test_several_keys_gzip_and_globs(tmp_path):
@@ -119,8 +145,20 @@ def test_split_sentences_offline(tmp_path):
 
 
 def _cli(tmp_path, inputs, *extra, vocab=VOCAB, merges=MERGES):
-    argv = ["--input", *map(str, inputs), "--output-prefix", str(tmp_path / "out" / "p"), "--vocab-file", vocab,
-            "--merge-file", merges, "--json-keys", "content", "--append-eod", *extra]
+    argv = [
+        "--input",
+        *map(str, inputs),
+        "--output-prefix",
+        str(tmp_path / "out" / "p"),
+        "--vocab-file",
+        vocab,
+        "--merge-file",
+        merges,
+        "--json-keys",
+        "content",
+        "--append-eod",
+        *extra,
+    ]
     return main(argv)
 
 
@@ -145,8 +183,9 @@ GOOD = [json.dumps({"content": f"x = {i}"}) for i in range(300)]
 @pytest.mark.parametrize("workers", ["1", "2"])
 def test_malformed_json_names_file_and_line(tmp_path, capsys, workers):
     path = _corpus(tmp_path, GOOD + ['{"content": "broken'] + GOOD)
-    _assert_fails_cleanly(tmp_path, capsys, _cli(tmp_path, [path], "--workers", workers),
-                          r"c\.jsonl line 301: malformed JSON")
+    _assert_fails_cleanly(
+        tmp_path, capsys, _cli(tmp_path, [path], "--workers", workers), r"c\.jsonl line 301: malformed JSON"
+    )
 
 
 def test_skip_bad_lines_counts_them(tmp_path, capsys):
@@ -186,23 +225,29 @@ def test_vocab_and_merges_that_disagree(tmp_path, capsys):
     bad = tmp_path / "vocab.json"
     bad.write_text(json.dumps(vocab), encoding="utf-8")
     path = _corpus(tmp_path, GOOD[:2])
-    _assert_fails_cleanly(tmp_path, capsys, _cli(tmp_path, [path], vocab=str(bad)),
-                          r"merges\.txt line \d+ .*do not belong together")
+    _assert_fails_cleanly(
+        tmp_path, capsys, _cli(tmp_path, [path], vocab=str(bad)), r"merges\.txt line \d+ .*do not belong together"
+    )
 
 
 def test_a_lone_surrogate_is_refused_with_its_line(tmp_path, capsys):
     """JSON can escape half a surrogate pair ("\\ud800"); that is no text to tokenize (Megatron-LM
     crashes on it): one line names the file's line, nothing is written. A whole pair is an emoji."""
-    path = _corpus(tmp_path, [json.dumps({"content": "ok \U0001F600"}), '{"content": "a\\ud800b"}'])
-    _assert_fails_cleanly(tmp_path, capsys, _cli(tmp_path, [path], "--workers", "2"),
-                          r"line 2: key 'content' holds a lone surrogate \(U\+D800 at character 1\)")
+    path = _corpus(tmp_path, [json.dumps({"content": "ok \U0001f600"}), '{"content": "a\\ud800b"}'])
+    _assert_fails_cleanly(
+        tmp_path,
+        capsys,
+        _cli(tmp_path, [path], "--workers", "2"),
+        r"line 2: key 'content' holds a lone surrogate \(U\+D800 at character 1\)",
+    )
 
 
 def test_failure_after_output_started_leaves_nothing(tmp_path, capsys):
     # Thousands of good documents are written before the bad one is met.
     path = _corpus(tmp_path, GOOD * 10 + [json.dumps({"content": None})])
-    _assert_fails_cleanly(tmp_path, capsys, _cli(tmp_path, [path], "--workers", "2"),
-                          r"line 3001: key 'content' holds a NoneType")
+    _assert_fails_cleanly(
+        tmp_path, capsys, _cli(tmp_path, [path], "--workers", "2"), r"line 3001: key 'content' holds a NoneType"
+    )
 
 
 def test_workers_read_ahead_a_bounded_number_of_chunks(tmp_path, monkeypatch):

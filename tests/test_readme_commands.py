@@ -69,7 +69,7 @@ def readme_commands() -> list[str]:
             while words:
                 cut = words.index("&&") if "&&" in words else len(words)
                 commands.append(" ".join(words[:cut]))
-                words = words[cut + 1:]
+                words = words[cut + 1 :]
     return commands
 
 
@@ -86,10 +86,17 @@ def console_script() -> Path:
 
 
 def run_cli(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    proc = subprocess.run([str(console_script()), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, f"{CLI} {' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-1500:]}\n" \
-                                 f"{proc.stderr[-2000:]}"
+    proc = subprocess.run(
+        [str(console_script()), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, (
+        f"{CLI} {' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-1500:]}\n{proc.stderr[-2000:]}"
+    )
     return proc
 
 
@@ -141,8 +148,9 @@ def test_every_readme_command_runs_or_parses(tmp_path):
     for command in cli_commands:
         if command in EXECUTED:
             continue
-        assert any(command.startswith(prefix) for prefix in PARSED_ONLY), \
+        assert any(command.startswith(prefix) for prefix in PARSED_ONLY), (
             f"`{CLI} {command}` is neither run nor listed with a reason in PARSED_ONLY"
+        )
         for name, kwargs in parse_only(shlex.split(command)):
             check_recipe_values(name, kwargs)
 
@@ -188,8 +196,13 @@ def test_every_readme_command_runs_or_parses(tmp_path):
         elif kind == "docker run ":
             recipe = command.split()[command.split().index("--recipe") + 1]
             printed = run_cli(["docker.run", "--recipe", recipe, "--dry-run"], elsewhere).stdout.split()
-            expected = (command.replace("$(id -u)", str(os.getuid())).replace("$(id -g)", str(os.getgid()))
-                        .replace("$PWD", str(elsewhere)).replace("~/", f"{Path.home()}/").split())
+            expected = (
+                command.replace("$(id -u)", str(os.getuid()))
+                .replace("$(id -g)", str(os.getgid()))
+                .replace("$PWD", str(elsewhere))
+                .replace("~/", f"{Path.home()}/")
+                .split()
+            )
             assert printed == expected, (printed, expected)
         else:  # python -m bench.X: from the checkout, which holds bench/
             proc = subprocess.run([sys.executable, *words[1:], "--help"], cwd=ROOT, capture_output=True, text=True)
@@ -219,8 +232,10 @@ def test_the_console_script_runs_from_another_directory(tmp_path):
 
 
 def test_doctor_without_torch_is_one_line(tmp_path):
-    code = ("import sys; sys.modules['torch'] = None\n"  # `import torch` fails as where it is not installed
-            "from megatron_core.cli import program; program.run(['megatron-recipes', 'doctor'])")
+    code = (
+        "import sys; sys.modules['torch'] = None\n"  # `import torch` fails as where it is not installed
+        "from megatron_core.cli import program; program.run(['megatron-recipes', 'doctor'])"
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-1500:]
     lines = proc.stderr.strip().splitlines()

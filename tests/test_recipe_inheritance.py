@@ -50,10 +50,20 @@ def test_chained_bases_merge_sections_and_replace_lists(tmp_path):
     smoke = yaml.safe_load(SMOKE.read_text())
     _write(tmp_path / "root.yaml", smoke)
     (tmp_path / "sub").mkdir()
-    _write(tmp_path / "sub" / "middle.yaml", {"base": "../root.yaml", "name": "middle",
-                                              "model": {"hidden_size": 128}, "data": {"json_keys": ["text"]}})
-    leaf = _write(tmp_path / "sub" / "leaf.yaml", {"base": "middle.yaml", "name": "leaf", "evaluate": None,
-                                                   "training": {"lr": 2.0e-3}, "data": {"split": "98,1,1"}})
+    _write(
+        tmp_path / "sub" / "middle.yaml",
+        {"base": "../root.yaml", "name": "middle", "model": {"hidden_size": 128}, "data": {"json_keys": ["text"]}},
+    )
+    leaf = _write(
+        tmp_path / "sub" / "leaf.yaml",
+        {
+            "base": "middle.yaml",
+            "name": "leaf",
+            "evaluate": None,
+            "training": {"lr": 2.0e-3},
+            "data": {"split": "98,1,1"},
+        },
+    )
     resolved = load_recipe(str(leaf))
     expected = {**smoke, "name": "leaf"}
     expected["model"] = {**smoke["model"], "hidden_size": 128}
@@ -102,8 +112,10 @@ def test_an_unknown_or_malformed_base_is_one_line_naming_the_file(tmp_path):
 
 def test_finding_and_loading_recipes_never_imports_torch():
     # a family with variants for several GPU counts is resolved here with the count given
-    code = ("import sys; from megatron_core import config; config.load_recipe('smoke-tp2pp2'); "
-            "config.resolve_recipe_path('codeparrot-small', gpus=1); print('torch' in sys.modules)")
+    code = (
+        "import sys; from megatron_core import config; config.load_recipe('smoke-tp2pp2'); "
+        "config.resolve_recipe_path('codeparrot-small', gpus=1); print('torch' in sys.modules)"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert proc.stdout.strip() == "False"
 
@@ -121,7 +133,8 @@ def test_a_copy_of_a_variant_does_not_join_its_family(tmp_path, monkeypatch):
         assert config.resolve_recipe_path("codeparrot-small", gpus).stem != "my-lr-sweep"
     assert load_recipe("my-lr-sweep").family is None
     # a copy that claims the family for the same GPU count is refused, naming both files
-    (recipes / "my-lr-sweep.yaml").write_text("base: codeparrot-small-8gpu\nname: my-lr-sweep\n"
-                                              "family: codeparrot-small\n")
+    (recipes / "my-lr-sweep.yaml").write_text(
+        "base: codeparrot-small-8gpu\nname: my-lr-sweep\nfamily: codeparrot-small\n"
+    )
     with pytest.raises(UserError, match="two recipes for 8 GPU.*codeparrot-small-8gpu.yaml and my-lr-sweep.yaml"):
         config.resolve_recipe_path("codeparrot-small", 8)

@@ -24,17 +24,25 @@ def tracked_text_files():
 
 
 def test_no_tracked_file_refers_outside_the_checkout():
-    offenders = [f"{name}:{number}: {line.strip()}"
-                 for name, text in tracked_text_files()
-                 for number, line in enumerate(text.splitlines(), 1) if OUTSIDE.search(line)]
+    offenders = [
+        f"{name}:{number}: {line.strip()}"
+        for name, text in tracked_text_files()
+        for number, line in enumerate(text.splitlines(), 1)
+        if OUTSIDE.search(line)
+    ]
     assert not offenders, "paths outside the repository:\n" + "\n".join(offenders)
 
 
 def test_the_pattern_catches_what_it_is_for():
     # The examples are put together here so that this file names no outside path itself.
     shelf, docs, fixtures = "/".join(("..", "shared")), "/".join(("shared", "docs")), "/".join(("shared", "fixtures"))
-    for bad in (f"see {shelf}/docs/x.md", f"{fixtures}/megatron-preprocess", f"{docs}/x.md",
-                "/".join(("", "work", "shared", "x")), "/".join(("", "root", ".cache"))):
+    for bad in (
+        f"see {shelf}/docs/x.md",
+        f"{fixtures}/megatron-preprocess",
+        f"{docs}/x.md",
+        "/".join(("", "work", "shared", "x")),
+        "/".join(("", "root", ".cache")),
+    ):
         assert OUTSIDE.search(bad), bad
     for fine in ("docs/checkpoint-format.md", "tests/fixtures/megatron-preprocess", "./work/codeparrot-tiny"):
         assert not OUTSIDE.search(fine), fine
@@ -42,8 +50,14 @@ def test_the_pattern_catches_what_it_is_for():
 
 def test_golden_fixture_is_inside_the_repository():
     fixture = ROOT / "tests" / "fixtures" / "megatron-preprocess"
-    for name in ("corpus.jsonl", "vocab.json", "merges.txt", "megatron_content_document.bin",
-                 "megatron_content_document.idx", "README.md"):
+    for name in (
+        "corpus.jsonl",
+        "vocab.json",
+        "merges.txt",
+        "megatron_content_document.bin",
+        "megatron_content_document.idx",
+        "README.md",
+    ):
         assert (fixture / name).is_file(), name
 
 

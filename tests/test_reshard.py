@@ -46,8 +46,11 @@ TP2_SP = proof.Layout("TP2 SP", tp=2, sequence_parallel=True)
 # checked directly (test_resumed_masters_are_the_checkpoints_fp32_values). fp16's loss scale grows
 # every 4 clean steps, so at iteration 6 the scaler holds a scale (2048) and a growth count (2) that
 # a resume must carry: it doubles again at 8, not at 10 (growth count lost) or from 1024 (scaler lost).
-PRECISIONS = {"fp32": {}, "bf16": {"bf16": True},
-              "fp16": {"fp16": True, "initial_loss_scale": 1024.0, "loss_scale_window": 4}}
+PRECISIONS = {
+    "fp32": {},
+    "bf16": {"bf16": True},
+    "fp16": {"fp16": True, "initial_loss_scale": 1024.0, "loss_scale_window": 4},
+}
 
 
 DP2_DISTOPT = proof.Layout("DP2 distributed optimizer", dp=2, distributed_optimizer=True)
@@ -61,8 +64,9 @@ def named(name: str, precision: str) -> str:
 
 
 def recipe(layout: proof.Layout, **training):
-    return proof.make_recipe(layout, **{"train_iters": ITERS, "lr_decay_iters": ITERS, "save_interval": SAVED_AT,
-                                        **training})
+    return proof.make_recipe(
+        layout, **{"train_iters": ITERS, "lr_decay_iters": ITERS, "save_interval": SAVED_AT, **training}
+    )
 
 
 def run(layout: proof.Layout, run_dir: Path, *, save=None, load=None, **training):
@@ -100,9 +104,11 @@ def four_rank_work(root: str) -> dict:
         if dist.get_rank() == 0:
             checkpoint_at(save)
     dist.barrier()
-    return {**results,
-            "pp2dp2": run(PP2_DP2, root / "pp2dp2", load=root / "tp2pp2-ckpt-at-6"),
-            "reverse": run(TP2_PP2, root / "reverse", load=checkpoint_at(root / "tp1-ckpt"))}
+    return {
+        **results,
+        "pp2dp2": run(PP2_DP2, root / "pp2dp2", load=root / "tp2pp2-ckpt-at-6"),
+        "reverse": run(TP2_PP2, root / "reverse", load=checkpoint_at(root / "tp1-ckpt")),
+    }
 
 
 def reference_checkpoint(root: Path, precision: str = "fp32") -> Path:
@@ -116,9 +122,16 @@ def dp2_work(root: str) -> dict:
     torch.set_num_threads(1)
     root = Path(root)
     saves = {"fp32": {"save": root / "dp2-ckpt", "save_interval": 3}}
-    return {precision: run(DP2_DISTOPT, root / named("dp2", precision), load=reference_checkpoint(root, precision),
-                           **saves.get(precision, {}), **values)
-            for precision, values in PRECISIONS.items()}
+    return {
+        precision: run(
+            DP2_DISTOPT,
+            root / named("dp2", precision),
+            load=reference_checkpoint(root, precision),
+            **saves.get(precision, {}),
+            **values,
+        )
+        for precision, values in PRECISIONS.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -164,8 +177,13 @@ def assert_resumes_the_reference(root: Path, four_rank: dict, precision: str, ru
 def test_the_reference_checkpoints_at_6_in_every_rank_directory(root, four_rank):
     assert sorted(four_rank["reference"]) == list(range(1, ITERS + 1))
     iteration = root / "tp2pp2-ckpt" / f"iter_{SAVED_AT:07d}"
-    assert sorted(p.name for p in iteration.iterdir()) == ["manifest.json", "mp_rank_00_000", "mp_rank_00_001",
-                                                           "mp_rank_01_000", "mp_rank_01_001"]
+    assert sorted(p.name for p in iteration.iterdir()) == [
+        "manifest.json",
+        "mp_rank_00_000",
+        "mp_rank_00_001",
+        "mp_rank_01_000",
+        "mp_rank_01_001",
+    ]
     # fp16's scale at the checkpoint is neither the initial one nor at a growth step (see PRECISIONS)
     assert [loss_scales(root / "tp2pp2-fp16")[it] for it in (3, 4, 6, 8)] == [1024.0, 2048.0, 2048.0, 4096.0]
 
@@ -209,8 +227,7 @@ def test_resumed_masters_are_the_checkpoints_fp32_values(root, precision, tmp_pa
     nearly every master has bits its 16-bit weight lacks. A resume that rebuilt the masters from the
     weights (reload_model_params, what the trainer does before the optimizer state is loaded) has none."""
     torch.set_num_threads(1)
-    pairs, optimizer = resumed_masters(TP1, reference_checkpoint(root, precision), tmp_path,
-                                       **PRECISIONS[precision])
+    pairs, optimizer = resumed_masters(TP1, reference_checkpoint(root, precision), tmp_path, **PRECISIONS[precision])
     assert masters_hold_more_than_the_weights(pairs) > 0.9
     optimizer.reload_model_params()
     assert masters_hold_more_than_the_weights(pairs) == 0.0
@@ -248,8 +265,9 @@ TWO_RANK_RESUMES = {"sp": TP2_SP, "vpp": PP2_VPP2}
 def resume_tp1_at_6_work(root: str, name: str):
     torch.set_num_threads(1)
     root = Path(root)
-    return run(TWO_RANK_RESUMES[name], root / name, load=root / "tp1-ckpt-at-6", save=root / f"{name}-ckpt",
-               save_interval=3)
+    return run(
+        TWO_RANK_RESUMES[name], root / name, load=root / "tp1-ckpt-at-6", save=root / f"{name}-ckpt", save_interval=3
+    )
 
 
 def two_rank_resume(root: Path, name: str) -> dict:
@@ -296,6 +314,7 @@ def test_tp1_resumes_a_pp2_vpp2_checkpoint(root, tp1):
 
 # -- bad input ---------------------------------------------------------------------------------------
 
+
 def _copy(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst
@@ -305,8 +324,10 @@ def test_missing_rank_files_are_named_and_nothing_is_written(tp2pp2_checkpoint, 
     load = _copy(tp2pp2_checkpoint, tmp_path / "load")
     shutil.rmtree(load / f"iter_{SAVED_AT:07d}" / "mp_rank_01_001")
     before = sorted(str(p) for p in load.rglob("*"))
-    with pytest.raises(cf.CheckpointError,
-                       match=r"iter_0000006/mp_rank_01_001/model_optim_rng.pt is missing or truncated \(the manifest "):
+    with pytest.raises(
+        cf.CheckpointError,
+        match=r"iter_0000006/mp_rank_01_001/model_optim_rng.pt is missing or truncated \(the manifest ",
+    ):
         run(TP1, tmp_path / "run", load=load, save=tmp_path / "save")
     assert sorted(str(p) for p in load.rglob("*")) == before and not (tmp_path / "save").exists()
 
@@ -333,13 +354,16 @@ def resume_tp1_with(model_changes: dict, load: Path, run_dir: Path):
 
 
 def test_a_changed_model_shape_is_refused_with_the_changed_keys(tp2pp2_checkpoint, tmp_path):
-    with pytest.raises(cf.CheckpointError, match="changed keys that alter training: model.hidden_size, "
-                                                   "model.num_attention_heads"):
+    with pytest.raises(
+        cf.CheckpointError, match="changed keys that alter training: model.hidden_size, model.num_attention_heads"
+    ):
         resume_tp1_with({"hidden_size": 64, "num_attention_heads": 8}, tp2pp2_checkpoint, tmp_path)
 
 
 def test_another_vocabulary_padding_is_refused_with_the_fix(tp2pp2_checkpoint, tmp_path):
     """The TP 2 checkpoint pads 100 tokens to 128 (64 x TP 2); TP 1 with make_vocab_size_divisible_by 16 pads to 112."""
-    with pytest.raises(cf.CheckpointError, match="pads the vocabulary to 128 rows .*this run to 112; pad alike: "
-                                                   "--set make_vocab_size_divisible_by=128"):
+    with pytest.raises(
+        cf.CheckpointError,
+        match="pads the vocabulary to 128 rows .*this run to 112; pad alike: --set make_vocab_size_divisible_by=128",
+    ):
         resume_tp1_with({"make_vocab_size_divisible_by": 16}, tp2pp2_checkpoint, tmp_path)

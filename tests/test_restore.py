@@ -41,15 +41,26 @@ def _step(model, optimizer, scheduler) -> None:
 def _save(save: Path, save_optim: bool) -> dict:
     model, optimizer, scheduler = _build()
     _step(model, optimizer, scheduler)
-    args = ckpt.megatron_args(RECIPE, PADDED, iteration=ITERATION, consumed_train_samples=CONSUMED,
-                              params_dtype="float32")
-    ckpt.save_checkpoint(save, ITERATION, model_state=[c.state_dict() for c in model.chunks], args=args,
-                         recipe=RECIPE, optimizer=optimizer, scheduler=scheduler, consumed_train_samples=CONSUMED,
-                         extra={"train_counters": {"skipped_iterations": 2, "nan_iterations": 1}},
-                         save_optim=save_optim)
-    return {"weights": {k: v.clone() for k, v in model.module.state_dict().items()},
-            "exp_avg": {n: e["exp_avg"].clone() for n, e in optimizer.state_dict()["param_state"].items()},
-            "num_steps": scheduler.num_steps}
+    args = ckpt.megatron_args(
+        RECIPE, PADDED, iteration=ITERATION, consumed_train_samples=CONSUMED, params_dtype="float32"
+    )
+    ckpt.save_checkpoint(
+        save,
+        ITERATION,
+        model_state=[c.state_dict() for c in model.chunks],
+        args=args,
+        recipe=RECIPE,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        consumed_train_samples=CONSUMED,
+        extra={"train_counters": {"skipped_iterations": 2, "nan_iterations": 1}},
+        save_optim=save_optim,
+    )
+    return {
+        "weights": {k: v.clone() for k, v in model.module.state_dict().items()},
+        "exp_avg": {n: e["exp_avg"].clone() for n, e in optimizer.state_dict()["param_state"].items()},
+        "num_steps": scheduler.num_steps,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +73,9 @@ def _restore(load: Path, **kwargs):
     model, optimizer, scheduler = _build()
     lines: list[str] = []
     options = {"padded_vocab_size": PADDED, **kwargs}
-    restored = ckpt.restore(load, RECIPE, chunks=model.chunks, optimizer=optimizer, scheduler=scheduler,
-                            log=lines.append, **options)
+    restored = ckpt.restore(
+        load, RECIPE, chunks=model.chunks, optimizer=optimizer, scheduler=scheduler, log=lines.append, **options
+    )
     return restored, model, optimizer, scheduler, lines
 
 
@@ -74,8 +86,9 @@ def _same_weights(model, want: dict) -> bool:
 def test_a_training_state_continues_weights_optimizer_schedule_and_counters(saved):
     save, want = saved[True]
     restored, model, optimizer, scheduler, lines = _restore(save)
-    assert restored == ckpt.Restored(cf.iteration_dir(save, ITERATION), ITERATION, CONSUMED, 2, 1,
-                                     training_state=True, optimizer_state=True)
+    assert restored == ckpt.Restored(
+        cf.iteration_dir(save, ITERATION), ITERATION, CONSUMED, 2, 1, training_state=True, optimizer_state=True
+    )
     assert _same_weights(model, want["weights"]) and not _same_weights(_build()[0], want["weights"])
     got = optimizer.state_dict()["param_state"]
     assert all(torch.equal(got[n]["exp_avg"], e) for n, e in want["exp_avg"].items())
@@ -89,8 +102,10 @@ def test_a_checkpoint_without_optimizer_state_restarts_it_where_the_samples_were
     assert restored.training_state and not restored.optimizer_state and restored.iteration == ITERATION
     assert _same_weights(model, want["weights"])
     assert scheduler.num_steps == CONSUMED  # the LR where the saved run was, not the saved scheduler's
-    assert ("checkpoint: it has no optimizer state (--no-save-optim): the optimizer and LR restart from the loaded "
-            "weights; the run is not an exact continuation") in lines
+    assert (
+        "checkpoint: it has no optimizer state (--no-save-optim): the optimizer and LR restart from the loaded "
+        "weights; the run is not an exact continuation"
+    ) in lines
 
 
 def test_weights_only_start_everything_else_from_zero(saved, tmp_path):
@@ -103,11 +118,12 @@ def test_weights_only_start_everything_else_from_zero(saved, tmp_path):
     torch.save(state, tmp_path / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt")
     (tmp_path / cf.TRACKER_FILENAME).write_text("3\n")
     restored, model, _, scheduler, lines = _restore(tmp_path)
-    assert restored == ckpt.Restored(tmp_path / "iter_0000003", 0, 0, 0, 0, training_state=False,
-                                     optimizer_state=False)
+    assert restored == ckpt.Restored(tmp_path / "iter_0000003", 0, 0, 0, 0, training_state=False, optimizer_state=False)
     assert _same_weights(model, want["weights"]) and scheduler.num_steps == 0
-    assert lines[-1] == (f"initialized the model from the weights in {tmp_path / 'iter_0000003'}; optimizer, "
-                         "learning-rate schedule and data position start from zero")
+    assert lines[-1] == (
+        f"initialized the model from the weights in {tmp_path / 'iter_0000003'}; optimizer, "
+        "learning-rate schedule and data position start from zero"
+    )
 
 
 def test_nothing_to_load_and_from_scratch_load_nothing(saved, tmp_path):
@@ -122,6 +138,9 @@ def test_nothing_to_load_and_from_scratch_load_nothing(saved, tmp_path):
 
 
 def test_a_vocabulary_padded_otherwise_is_refused_with_the_setting_to_use(saved):
-    with pytest.raises(cf.CheckpointError, match=f"pads the vocabulary to {PADDED} rows .* this run to "
-                                                 f"{PADDED + 64}; pad alike: --set make_vocab_size_divisible_by="):
+    with pytest.raises(
+        cf.CheckpointError,
+        match=f"pads the vocabulary to {PADDED} rows .* this run to "
+        f"{PADDED + 64}; pad alike: --set make_vocab_size_divisible_by=",
+    ):
         _restore(saved[True][0], padded_vocab_size=PADDED + 64)

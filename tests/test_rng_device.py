@@ -38,6 +38,7 @@ def gpu_host(monkeypatch):
         def call(*args, **kwargs):
             calls.append(name)
             return fn(*args, **kwargs)
+
         return call
 
     def lazy_init():
@@ -45,10 +46,12 @@ def gpu_host(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "_lazy_init", lazy_init)  # what opens the CUDA context
-    monkeypatch.setattr(torch.cuda, "get_rng_state",
-                        recorded("get_rng_state", lambda *_args, **_kwargs: fake.get_state()))
-    monkeypatch.setattr(torch.cuda, "set_rng_state",
-                        recorded("set_rng_state", lambda s, *_args, **_kwargs: fake.set_state(s)))
+    monkeypatch.setattr(
+        torch.cuda, "get_rng_state", recorded("get_rng_state", lambda *_args, **_kwargs: fake.get_state())
+    )
+    monkeypatch.setattr(
+        torch.cuda, "set_rng_state", recorded("set_rng_state", lambda s, *_args, **_kwargs: fake.set_state(s))
+    )
     monkeypatch.setattr(torch.cuda, "manual_seed", recorded("manual_seed", lambda s: fake.manual_seed(s)))
     monkeypatch.setattr(torch.cuda, "manual_seed_all", recorded("manual_seed_all", lambda s: fake.manual_seed(s)))
     yield calls
@@ -166,6 +169,7 @@ def test_cpu_to_cpu_restore_keeps_the_exact_stream(legacy):
 
 
 # -- resume through Trainer.maybe_resume ---------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, corpus):

@@ -19,6 +19,7 @@ def test_measure_times_every_gemm_of_an_iteration_of_micro_batches():
     result = roofline.measure(gemms, micro_batches=2, dtype=torch.float32, device=torch.device("cpu"), repeats=1)
     assert [row["gemm"] for row in result["gemms"]] == [g.name for g in gemms]
     # two micro-batches of one sample: the formula's FLOPs of a global batch of two
-    assert result["gemm_flops_per_iteration"] == flops.model_flops_per_iteration(global_batch_size=2,
-                                                                                 padded_vocab_size=64, **shape)
+    assert result["gemm_flops_per_iteration"] == flops.model_flops_per_iteration(
+        global_batch_size=2, padded_vocab_size=64, **shape
+    )
     assert all(row["ms"] > 0 and row["tflops"] > 0 for row in result["gemms"])

@@ -23,8 +23,16 @@ from megatron_core.config import load_recipe
 from megatron_core.training import run_lock
 
 ROOT = Path(__file__).resolve().parents[1]
-LONG = ["--set", "training.train_iters=100000", "--set", "training.save_interval=null", "--set",
-        "training.log_interval=1", "--set", "training.eval_interval=100000"]
+LONG = [
+    "--set",
+    "training.train_iters=100000",
+    "--set",
+    "training.save_interval=null",
+    "--set",
+    "training.log_interval=1",
+    "--set",
+    "training.eval_interval=100000",
+]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -35,8 +43,9 @@ LONG = ["--set", "training.train_iters=100000", "--set", "training.save_interval
 def _write_lock(run_dir: Path, **holder) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / run_lock.LOCK_FILENAME
-    path.write_text(json.dumps({"job": "another job", "host": socket.gethostname(), "boot": run_lock._boot_id(),
-                                **holder}))
+    path.write_text(
+        json.dumps({"job": "another job", "host": socket.gethostname(), "boot": run_lock._boot_id(), **holder})
+    )
     return path
 
 
@@ -86,8 +95,7 @@ def test_a_reused_pid_or_a_reboot_is_stale(tmp_path):
 def test_the_nodes_of_one_job_share_the_lock_and_other_jobs_do_not(tmp_path):
     holder = _sleeper()
     try:
-        path = _write_lock(tmp_path, pid=holder.pid, ticks=run_lock._start_ticks(holder.pid), job="job-a",
-                           host="node1")
+        path = _write_lock(tmp_path, pid=holder.pid, ticks=run_lock._start_ticks(holder.pid), job="job-a", host="node1")
         assert run_lock.acquire(tmp_path, "job-a") is None  # node 1 holds it for this job: shared, not re-made
         with pytest.raises(run_lock.RunLocked):
             run_lock.acquire(tmp_path, "job-b")  # same launcher settings or not: another token, another job
@@ -101,12 +109,18 @@ def test_two_processes_taking_over_one_stale_lock_cannot_both_win(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     _write_lock(tmp_path, pid=dead.pid, ticks=1)
-    code = ("import sys, time; from megatron_core.training import run_lock\n"
-            "try:\n    run_lock.acquire(sys.argv[1], sys.argv[2], log=lambda _: None); print('won', flush=True)\n"
-            "except run_lock.RunLocked:\n    print('refused', flush=True)\n"
-            "time.sleep(3)\n")
-    racers = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), f"job-{i}"], stdout=subprocess.PIPE,
-                               text=True, cwd=ROOT) for i in range(4)]
+    code = (
+        "import sys, time; from megatron_core.training import run_lock\n"
+        "try:\n    run_lock.acquire(sys.argv[1], sys.argv[2], log=lambda _: None); print('won', flush=True)\n"
+        "except run_lock.RunLocked:\n    print('refused', flush=True)\n"
+        "time.sleep(3)\n"
+    )
+    racers = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(tmp_path), f"job-{i}"], stdout=subprocess.PIPE, text=True, cwd=ROOT
+        )
+        for i in range(4)
+    ]
     verdicts = sorted(r.communicate(timeout=60)[0].strip() for r in racers)
     assert verdicts == ["refused", "refused", "refused", "won"]
 
@@ -119,19 +133,36 @@ def test_two_processes_taking_over_one_stale_lock_cannot_both_win(tmp_path):
 @pytest.fixture(scope="module")
 def smoke_data(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("faults-work")
-    proc = subprocess.run([sys.executable, "-m", "invoke", "preprocess", "--recipe", "smoke",
-                           "--workdir", str(workdir)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "invoke", "preprocess", "--recipe", "smoke", "--workdir", str(workdir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    subprocess.run([sys.executable, "-m", "invoke", "tokenizer", "--recipe", "smoke", "--workdir", str(workdir)],
-                   cwd=ROOT, capture_output=True, text=True, timeout=300, check=True)
+    subprocess.run(
+        [sys.executable, "-m", "invoke", "tokenizer", "--recipe", "smoke", "--workdir", str(workdir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     return workdir
 
 
 def _start_train(workdir: Path, *extra: str) -> subprocess.Popen:
     # its own session, as a shell job is: os.killpg(pid, SIGINT) is the terminal's Ctrl-C
-    return subprocess.Popen([sys.executable, "-m", "invoke", "train", "--recipe", "smoke", "--workdir", str(workdir),
-                             *LONG, *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.Popen(
+        [sys.executable, "-m", "invoke", "train", "--recipe", "smoke", "--workdir", str(workdir), *LONG, *extra],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
 def _run_dir(workdir: Path) -> Path:

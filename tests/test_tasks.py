@@ -16,8 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def invoke(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "invoke", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "invoke", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def test_pipeline_trains_converts_and_evaluates(smoke_pipeline):
     results = json.loads((run / "eval" / "evaluation.json").read_text())
     assert set(results["perplexity"]) == {"valid", "test"}
     # evaluate's summary, then a pointer line
-    summary = json.loads(proc.stdout[proc.stdout.rindex("{"):proc.stdout.rindex("}") + 1])
+    summary = json.loads(proc.stdout[proc.stdout.rindex("{") : proc.stdout.rindex("}") + 1])
     assert summary["valid_ppl"] == pytest.approx(results["perplexity"]["valid"]["ppl"])
     assert (run / "loss_curve.png").stat().st_size > 0
 
@@ -69,15 +70,31 @@ def test_convert_refuses_an_occupied_target_and_import_hf_round_trips(smoke_pipe
     again = invoke("convert", "--recipe", "smoke", "--workdir", str(workdir))
     assert again.returncode == 2 and again.stderr.strip().startswith("error:")
     assert "--overwrite" in again.stderr and len(again.stderr.strip().splitlines()) == 1
-    older = invoke("convert", "--recipe", "smoke", "--workdir", str(workdir), "--iteration", "10", "--save",
-                   str(tmp_path / "hf10"), "--format", "bin", "--dtype", "fp16")
+    older = invoke(
+        "convert",
+        "--recipe",
+        "smoke",
+        "--workdir",
+        str(workdir),
+        "--iteration",
+        "10",
+        "--save",
+        str(tmp_path / "hf10"),
+        "--format",
+        "bin",
+        "--dtype",
+        "fp16",
+    )
     assert older.returncode == 0, older.stderr
     assert json.loads((tmp_path / "hf10" / "provenance.json").read_text())["iteration"] == 10
     assert (tmp_path / "hf10" / "pytorch_model.bin").exists()
     imported = invoke("import-hf", "--model", str(run / "hf"), "--save", str(tmp_path / "ckpt"), "--tp", "2")
     assert imported.returncode == 0, imported.stderr
-    assert (sorted(p.name for p in (tmp_path / "ckpt" / "release").iterdir())
-            == ["manifest.json", "mp_rank_00", "mp_rank_01"])
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "release").iterdir()) == [
+        "manifest.json",
+        "mp_rank_00",
+        "mp_rank_01",
+    ]
 
 
 def test_a_checkpoint_directory_converts_and_evaluates_on_its_own(smoke_pipeline, tmp_path):
@@ -92,8 +109,14 @@ def test_a_checkpoint_directory_converts_and_evaluates_on_its_own(smoke_pipeline
     elsewhere.mkdir()
 
     def invoke_from_elsewhere(*args):
-        return subprocess.run([sys.executable, "-m", "invoke", "-r", str(ROOT), *args], cwd=elsewhere,
-                              capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        return subprocess.run(
+            [sys.executable, "-m", "invoke", "-r", str(ROOT), *args],
+            cwd=elsewhere,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
 
     converted = invoke_from_elsewhere("convert", "--load", str(moved), "--save", str(tmp_path / "hf"))
     assert converted.returncode == 0, converted.stdout[-1500:] + converted.stderr[-1500:]
@@ -111,11 +134,25 @@ def test_training_continues_from_an_imported_hf_model(smoke_pipeline, tmp_path):
     ckpt = tmp_path / "imported"
     assert invoke("import-hf", "--model", str(run / "hf"), "--save", str(ckpt)).returncode == 0
     # into the finished run's own directory it is refused: two runs' checkpoints would mix there
-    refused = invoke("train", "--recipe", "smoke", "--workdir", str(workdir), "--set", "train_iters=4",
-                     "--load", str(ckpt))
+    refused = invoke(
+        "train", "--recipe", "smoke", "--workdir", str(workdir), "--set", "train_iters=4", "--load", str(ckpt)
+    )
     assert refused.returncode == 2 and "already holds checkpoints" in refused.stderr, refused.stderr[-1500:]
-    proc = invoke("train", "--recipe", "smoke", "--workdir", str(workdir), "--set", "train_iters=4",
-                  "--set", "save_interval=null", "--set", "seed=7", "--load", str(ckpt))
+    proc = invoke(
+        "train",
+        "--recipe",
+        "smoke",
+        "--workdir",
+        str(workdir),
+        "--set",
+        "train_iters=4",
+        "--set",
+        "save_interval=null",
+        "--set",
+        "seed=7",
+        "--load",
+        str(ckpt),
+    )
     assert proc.returncode == 0, proc.stdout[-1500:] + proc.stderr[-1500:]
     assert f"initialized the model from the weights in {ckpt / 'release'}" in proc.stdout + proc.stderr
     trained = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -157,15 +194,31 @@ def test_launch_splits_the_recipe_world_over_nodes_and_names_the_run_it_starts(m
 def test_docker_tasks_dry_run(tmp_path):
     build = invoke("docker.build", "--dry-run", "--tag", "img:t")
     assert build.returncode == 0 and build.stdout.startswith("docker build -f docker/Dockerfile --build-arg NGC_TAG=")
-    run = invoke("docker.run", "--dry-run", "--recipe", "codeparrot-small-8gpu", "--image", "img:t", "--workdir",
-                 str(tmp_path / "w"), "--cache", str(tmp_path / "c"), "--nnodes", "2", "--master-addr", "node0",
-                 "--set", "lr=1e-4")
+    run = invoke(
+        "docker.run",
+        "--dry-run",
+        "--recipe",
+        "codeparrot-small-8gpu",
+        "--image",
+        "img:t",
+        "--workdir",
+        str(tmp_path / "w"),
+        "--cache",
+        str(tmp_path / "c"),
+        "--nnodes",
+        "2",
+        "--master-addr",
+        "node0",
+        "--set",
+        "lr=1e-4",
+    )
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == (
         "docker run --rm --gpus all --ipc=host --ulimit memlock=-1 --ulimit stack=67108864 "
         f"--user {os.getuid()}:{os.getgid()} --network=host "
         f"-v {tmp_path / 'w'}:/work -v {tmp_path / 'c'}:/cache img:t invoke train --recipe codeparrot-small-8gpu "
-        "--set lr=1e-4 --nnodes 2 --node-rank 0 --master-addr node0")
+        "--set lr=1e-4 --nnodes 2 --node-rank 0 --master-addr node0"
+    )
     assert not (tmp_path / "w").exists()  # a dry run creates nothing
     bad = invoke("docker.run", "--dry-run", "--recipe", "no-such-recipe")
     assert bad.returncode == 2 and bad.stderr.startswith("error:")
@@ -192,13 +245,26 @@ def test_readme_nproc_form_trains_and_resumes_under_another_layout(smoke_pipelin
     readme = (ROOT / "README.md").read_text()
     assert "megatron-recipes train --recipe codeparrot-tiny --nproc 2 --set tensor_model_parallel_size=2\n" in readme
     assert "--nproc 2 --set pipeline_model_parallel_size=2 --load " in readme
-    tp2 = invoke("train", "--recipe", "smoke", "--workdir", str(workdir), "--nproc", "2",
-                 "--set", "tensor_model_parallel_size=2")
+    tp2 = invoke(
+        "train", "--recipe", "smoke", "--workdir", str(workdir), "--nproc", "2", "--set", "tensor_model_parallel_size=2"
+    )
     assert tp2.returncode == 0, tp2.stdout[-1500:] + tp2.stderr[-1500:]
     tp2_run = Path(tp2.stdout.strip().splitlines()[-1].removeprefix("run directory: "))
-    pp2 = invoke("train", "--recipe", "smoke", "--workdir", str(workdir), "--nproc", "2",
-                 "--set", "pipeline_model_parallel_size=2", "--set", "train_iters=24",
-                 "--load", str(tp2_run / "checkpoints"))
+    pp2 = invoke(
+        "train",
+        "--recipe",
+        "smoke",
+        "--workdir",
+        str(workdir),
+        "--nproc",
+        "2",
+        "--set",
+        "pipeline_model_parallel_size=2",
+        "--set",
+        "train_iters=24",
+        "--load",
+        str(tp2_run / "checkpoints"),
+    )
     assert pp2.returncode == 0, pp2.stdout[-1500:] + pp2.stderr[-1500:]
     pp2_run = Path(pp2.stdout.strip().splitlines()[-1].removeprefix("run directory: "))
     try:

@@ -63,7 +63,8 @@ def test_auto_engine_takes_tiktoken_on_well_formed_files_and_logs(capsys):
     tok = GPT2BPETokenizer(FIXTURE / "vocab.json", FIXTURE / "merges.txt")
     assert tok.engine.name == "tiktoken"
     assert capsys.readouterr().err.splitlines() == [
-        "[tokenizer] GPT2BPETokenizer: vocab 955, engine tiktoken (its ranks are the ids, merges in their order)"]
+        "[tokenizer] GPT2BPETokenizer: vocab 955, engine tiktoken (its ranks are the ids, merges in their order)"
+    ]
     assert tok.eod == 0 and tok.vocab_size == 955 and tok.vocab[EOD_TOKEN] == 0
 
 
@@ -93,17 +94,23 @@ _MERGES = [("a", "b"), ("b", "c"), ("c", "d"), ("ab", "c")]
 
 
 # Each vocab makes tiktoken on ranks = ids differ from GPT-2's BPE on one of the texts below.
-@pytest.mark.parametrize("case, merges, why", [
-    # "abc" is a+bc (before c+d) and ab+c (after): tiktoken ranks tokens, not pairs, so it turns
-    # "abcd" into [abc, d] where GPT-2 has [ab, cd].
-    ("made twice", [("a", "b"), ("b", "c"), ("a", "bc"), ("c", "d"), ("ab", "c")],
-     "merge result 'abc' is made by two merges"),
-    # "xyz" is in the vocab but no merge makes it: tiktoken would return it for "xyz", GPT-2 never.
-    ("no merge", _MERGES, "1 multi-byte tokens of vocab.json are made by no merge"),
-    # Ids not growing with the merge order: tiktoken would merge in id order ("bcd": [b, cd]), GPT-2
-    # in merge order ([bc, d]).
-    ("ids reversed", _MERGES, "merges.txt line 3 (b c) is out of the vocab ids' order"),
-])
+@pytest.mark.parametrize(
+    "case, merges, why",
+    [
+        # "abc" is a+bc (before c+d) and ab+c (after): tiktoken ranks tokens, not pairs, so it turns
+        # "abcd" into [abc, d] where GPT-2 has [ab, cd].
+        (
+            "made twice",
+            [("a", "b"), ("b", "c"), ("a", "bc"), ("c", "d"), ("ab", "c")],
+            "merge result 'abc' is made by two merges",
+        ),
+        # "xyz" is in the vocab but no merge makes it: tiktoken would return it for "xyz", GPT-2 never.
+        ("no merge", _MERGES, "1 multi-byte tokens of vocab.json are made by no merge"),
+        # Ids not growing with the merge order: tiktoken would merge in id order ("bcd": [b, cd]), GPT-2
+        # in merge order ([bc, d]).
+        ("ids reversed", _MERGES, "merges.txt line 3 (b c) is out of the vocab ids' order"),
+    ],
+)
 def test_auto_falls_back_to_exact_engine_where_ranks_cannot_express_the_merges(tmp_path, capsys, case, merges, why):
     vocab, merges_file = _write_bpe(tmp_path, merges, extra=["xyz"] if case == "no merge" else ())
     if case == "ids reversed":

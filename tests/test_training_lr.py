@@ -44,14 +44,16 @@ def test_constant_after_warmup_ignores_decay_iters():
 
 def test_no_warmup_starts_at_max():
     assert learning_rate(0, max_lr=2e-3, min_lr=0.0, warmup_steps=0, decay_steps=100, decay_style="cosine") == 2e-3
-    assert learning_rate(50, max_lr=2e-3, min_lr=0.0, warmup_steps=0, decay_steps=100,
-                         decay_style="cosine") == pytest.approx(1e-3)
+    assert learning_rate(
+        50, max_lr=2e-3, min_lr=0.0, warmup_steps=0, decay_steps=100, decay_style="cosine"
+    ) == pytest.approx(1e-3)
 
 
 def test_scheduler_sets_param_groups_and_round_trips():
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
-    sched = OptimizerParamScheduler(opt, max_lr=1e-3, min_lr=1e-4, warmup_steps=10, decay_steps=110,
-                                    decay_style="cosine")
+    sched = OptimizerParamScheduler(
+        opt, max_lr=1e-3, min_lr=1e-4, warmup_steps=10, decay_steps=110, decay_style="cosine"
+    )
     assert opt.param_groups[0]["lr"] == 0.0  # Megatron: the first update runs at lr(0)
     for _ in range(35):
         sched.step(1)
@@ -59,8 +61,9 @@ def test_scheduler_sets_param_groups_and_round_trips():
     state = sched.state_dict()
     assert state["num_steps"] == 35 and state["lr_decay_style"] == "cosine"
     opt2 = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
-    sched2 = OptimizerParamScheduler(opt2, max_lr=1e-3, min_lr=1e-4, warmup_steps=10, decay_steps=110,
-                                     decay_style="cosine")
+    sched2 = OptimizerParamScheduler(
+        opt2, max_lr=1e-3, min_lr=1e-4, warmup_steps=10, decay_steps=110, decay_style="cosine"
+    )
     sched2.load_state_dict(state)
     assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
 
@@ -84,11 +87,19 @@ def _megatron_scheduler(optimizer, training):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler as MegatronScheduler
 
     b = training.global_batch_size
-    return MegatronScheduler(optimizer, init_lr=0.0, max_lr=training.lr, min_lr=training.min_lr,
-                             lr_warmup_steps=training.lr_warmup_iters * b, lr_decay_steps=training.decay_iters * b,
-                             lr_decay_style=training.lr_decay_style, start_wd=training.weight_decay,
-                             end_wd=training.weight_decay, wd_incr_steps=training.decay_iters * b,
-                             wd_incr_style="constant")
+    return MegatronScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=training.lr,
+        min_lr=training.min_lr,
+        lr_warmup_steps=training.lr_warmup_iters * b,
+        lr_decay_steps=training.decay_iters * b,
+        lr_decay_style=training.lr_decay_style,
+        start_wd=training.weight_decay,
+        end_wd=training.weight_decay,
+        wd_incr_steps=training.decay_iters * b,
+        wd_incr_style="constant",
+    )
 
 
 def _training():

@@ -14,6 +14,7 @@ from megatron_core.optimizer.optimizer import AdamSettings, MegatronOptimizer, p
 
 # -- loss scaler -----------------------------------------------------------------------------------
 
+
 def test_dynamic_scaler_hysteresis_backoff_growth_and_floor():
     s = DynamicGradScaler(initial_scale=2.0**32, min_scale=1.0, growth_interval=3, hysteresis=2)
     s.update(found_inf=True)
@@ -47,6 +48,7 @@ def test_megatron_defaults_in_recipe_schema():
 
 # -- optimizer -------------------------------------------------------------------------------------
 
+
 class TwoLayer(torch.nn.Module):
     """A decayed weight and undecayed bias/norm weights: both of the wrapper's parameter groups."""
 
@@ -67,8 +69,9 @@ def test_no_weight_decay_on_biases_and_norm_weights():
 
 
 def _opt(model, precision, scaler=None, clip=1.0):
-    return MegatronOptimizer(model, AdamSettings(lr=1e-2, weight_decay=0.0), precision=precision, clip_grad=clip,
-                             grad_scaler=scaler)
+    return MegatronOptimizer(
+        model, AdamSettings(lr=1e-2, weight_decay=0.0), precision=precision, clip_grad=clip, grad_scaler=scaler
+    )
 
 
 def test_fp16_master_weights_skip_on_inf_and_recover():
@@ -182,14 +185,23 @@ def test_cpu_optimizer_choice_is_fused_adamw_stepping_like_the_reference():
 
 # -- FLOPs and MFU ---------------------------------------------------------------------------------
 
+
 def test_flops_formula_matches_megatron_for_4h():
     B, s, L, h, V = 192, 1024, 12, 768, 32768
     megatron = 72 * B * s * L * h**2 * (1 + s / (6 * h) + V / (12 * L * h))
-    ours = flops.model_flops_per_iteration(global_batch_size=B, seq_length=s, num_layers=L, hidden_size=h,
-                                           ffn_hidden_size=4 * h, padded_vocab_size=V)
+    ours = flops.model_flops_per_iteration(
+        global_batch_size=B, seq_length=s, num_layers=L, hidden_size=h, ffn_hidden_size=4 * h, padded_vocab_size=V
+    )
     assert ours == pytest.approx(megatron, rel=1e-12)
-    recompute = flops.model_flops_per_iteration(global_batch_size=B, seq_length=s, num_layers=L, hidden_size=h,
-                                                ffn_hidden_size=4 * h, padded_vocab_size=V, full_recompute=True)
+    recompute = flops.model_flops_per_iteration(
+        global_batch_size=B,
+        seq_length=s,
+        num_layers=L,
+        hidden_size=h,
+        ffn_hidden_size=4 * h,
+        padded_vocab_size=V,
+        full_recompute=True,
+    )
     assert recompute == pytest.approx(ours * 4 / 3)
 
 
@@ -208,6 +220,7 @@ def test_peak_table_and_mfu():
 def test_step_count_keeps_counting_after_a_resume(precision):
     """A resume writes the step where both torch (per tensor) and Apex (per group) read it; the
     saved count must be the one that moved on, or Adam's bias correction restarts at every resume."""
+
     def steps(opt, model, count):
         for _ in range(count):
             model(torch.ones(2, 4, dtype=next(model.parameters()).dtype)).float().backward()
@@ -257,12 +270,15 @@ def test_flat_spans_keep_the_callers_order_of_buffers_not_their_addresses():
     low, high = sorted((a, b), key=lambda t: t.untyped_storage().data_ptr())
     for first, second in ((high, low), (low, high)):
         spans = flat_spans([first[5:], second[:5], first[:5], second[5:]])
-        assert [s.untyped_storage().data_ptr() for s in spans] == [first.untyped_storage().data_ptr(),
-                                                                    second.untyped_storage().data_ptr()]
+        assert [s.untyped_storage().data_ptr() for s in spans] == [
+            first.untyped_storage().data_ptr(),
+            second.untyped_storage().data_ptr(),
+        ]
         assert [s.numel() for s in spans] == [10, 10]
 
 
 # -- the NaN guard, collective devices, host copies at save (issue 30 bugs 5 and 6, issue 32) ---------------
+
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_a_nan_gradient_or_loss_skips_the_update_in_every_precision(precision):
@@ -339,8 +355,9 @@ def test_a_rank_without_gradients_reduces_on_the_training_device(monkeypatch, pr
     monkeypatch.setattr(dist, "get_world_size", lambda *_args, **_kwargs: 2)
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
     model = TwoLayer().half() if precision == "fp16" else TwoLayer()
-    opt = MegatronOptimizer(model, AdamSettings(lr=1e-2, weight_decay=0.0), precision=precision,
-                            device=torch.device("meta"))
+    opt = MegatronOptimizer(
+        model, AdamSettings(lr=1e-2, weight_decay=0.0), precision=precision, device=torch.device("meta")
+    )
     opt.zero_grad()  # no backward: this rank has no gradients
     with pytest.raises(_CollectiveReached):
         opt.step()

@@ -16,14 +16,25 @@ from megatron_core.training.checkpointing import load_model_weights
 
 
 def recipe(vpp_layers=None):
-    return recipe_from_dict({
-        "name": "vpp", "version": 1, "tokenizer": {"vocab_size": 100},
-        "model": dict(num_layers=4, hidden_size=16, num_attention_heads=2, seq_length=8, max_position_embeddings=8,
-                      make_vocab_size_divisible_by=64),
-        "parallel": dict(world_size=2, pipeline_model_parallel_size=2,
-                         num_layers_per_virtual_pipeline_stage=vpp_layers),
-        "training": dict(micro_batch_size=1, global_batch_size=2),
-    })
+    return recipe_from_dict(
+        {
+            "name": "vpp",
+            "version": 1,
+            "tokenizer": {"vocab_size": 100},
+            "model": dict(
+                num_layers=4,
+                hidden_size=16,
+                num_attention_heads=2,
+                seq_length=8,
+                max_position_embeddings=8,
+                make_vocab_size_divisible_by=64,
+            ),
+            "parallel": dict(
+                world_size=2, pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=vpp_layers
+            ),
+            "training": dict(micro_batch_size=1, global_batch_size=2),
+        }
+    )
 
 
 def test_a_rank_builds_megatrons_chunks_with_the_single_process_weights():

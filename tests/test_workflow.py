@@ -64,7 +64,9 @@ def test_failed_step_leaves_nothing_that_looks_done(workdir):
 def test_invoke_task_reports_people_errors(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "invoke", "corpus", "--recipe", "smoke", "--set", "lrr=1", "--workdir", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 2
     assert "error: --set lrr: unknown key; did you mean 'lr'?" in proc.stderr

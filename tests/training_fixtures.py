@@ -17,10 +17,26 @@ VOCAB_SIZE = 100
 MEGATRON_PREPROCESS_FIXTURE = Path(__file__).resolve().parent / "fixtures" / "megatron-preprocess"
 
 TINY_OVERRIDES = [
-    "num_layers=2", "hidden_size=32", "num_attention_heads=2", "seq_length=32", "max_position_embeddings=32",
-    "micro_batch_size=2", "global_batch_size=4", "train_iters=16", "lr=3e-3", "lr_warmup_iters=2",
-    "lr_decay_style=cosine", "min_lr=3e-4", "training.log_interval=1", "eval_interval=8", "eval_iters=2",
-    "save_interval=8", "hidden_dropout=0.1", "attention_dropout=0.1", "fusions=torch", "device=cpu",
+    "num_layers=2",
+    "hidden_size=32",
+    "num_attention_heads=2",
+    "seq_length=32",
+    "max_position_embeddings=32",
+    "micro_batch_size=2",
+    "global_batch_size=4",
+    "train_iters=16",
+    "lr=3e-3",
+    "lr_warmup_iters=2",
+    "lr_decay_style=cosine",
+    "min_lr=3e-4",
+    "training.log_interval=1",
+    "eval_interval=8",
+    "eval_iters=2",
+    "save_interval=8",
+    "hidden_dropout=0.1",
+    "attention_dropout=0.1",
+    "fusions=torch",
+    "device=cpu",
 ]
 
 
@@ -45,8 +61,9 @@ def train_losses(metrics: list[dict], kind: str = "train") -> dict[int, float]:
     return {m["iteration"]: m["lm_loss"] for m in metrics if m["type"] == kind}
 
 
-def train_below_checks(recipe, run_dir, data_prefix, *, load=None, save_optim: bool = True,
-                       vocab_size: int = VOCAB_SIZE) -> None:
+def train_below_checks(
+    recipe, run_dir, data_prefix, *, load=None, save_optim: bool = True, vocab_size: int = VOCAB_SIZE
+) -> None:
     """What train(recipe, run_dir, data_prefix, ...) runs, below its recipe checks: the real Trainer,
     model, optimizer and loss scaler (test_parallel_equivalence's fit/build, i.e. pretrain_gpt's
     build_model_and_optimizer), the corpus's datasets, checkpoints in run_dir/checkpoints loaded from
@@ -64,6 +81,7 @@ def train_below_checks(recipe, run_dir, data_prefix, *, load=None, save_optim: b
 # Fixtures for the modules that train: `from training_fixtures import fixture_corpus, fixture_one_thread` makes
 # `corpus` and `one_thread` fixtures of the importing module (the function and fixture names differ so that a
 # test's `corpus` argument does not shadow an imported name).
+
 
 @pytest.fixture(scope="module", autouse=True, name="one_thread")
 def fixture_one_thread():

@@ -79,8 +79,10 @@ def _base_path(spec: Any, path: Path) -> Path:
         return candidate
     by_name = {f.stem: f for f in list_recipe_files()}
     if spec not in by_name:
-        raise UserError(f"{path}: unknown base '{spec}'{did_you_mean(spec, by_name)} (a recipe name in "
-                        f"{recipes_dir()}: {', '.join(sorted(by_name))}; or a path relative to this file)")
+        raise UserError(
+            f"{path}: unknown base '{spec}'{did_you_mean(spec, by_name)} (a recipe name in "
+            f"{recipes_dir()}: {', '.join(sorted(by_name))}; or a path relative to this file)"
+        )
     return by_name[spec]
 
 
@@ -177,8 +179,10 @@ def resolve_recipe_path(spec: str, gpus: Optional[int] = None) -> Path:
         for f, raw in family:
             size = int((raw.get("parallel") or {}).get("world_size", 1))
             if size in sizes:
-                raise UserError(f"family {spec!r} has two recipes for {size} GPU(s): {sizes[size].name} and {f.name}; "
-                                "give one of them another family (or none)")
+                raise UserError(
+                    f"family {spec!r} has two recipes for {size} GPU(s): {sizes[size].name} and {f.name}; "
+                    "give one of them another family (or none)"
+                )
             sizes[size] = f
         if len(sizes) == 1:
             return next(iter(sizes.values()))

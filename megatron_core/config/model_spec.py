@@ -49,20 +49,31 @@ class ModelSpec:
 
     # -- constructors ----------------------------------------------------------------------------
     @classmethod
-    def from_configs(cls, model: ModelConfig, parallel: ParallelConfig, padded_vocab_size: Optional[int] = None,
-                     world_size: Optional[int] = None) -> ModelSpec:
+    def from_configs(
+        cls,
+        model: ModelConfig,
+        parallel: ParallelConfig,
+        padded_vocab_size: Optional[int] = None,
+        world_size: Optional[int] = None,
+    ) -> ModelSpec:
         """A model's sections; world_size only where the processes are this run's (not a GPTModel built alone)."""
         return cls(
-            num_layers=model.num_layers, hidden_size=model.hidden_size,
-            num_attention_heads=model.num_attention_heads, ffn_hidden_size=model.ffn_size,
-            max_position_embeddings=model.max_position_embeddings, seq_length=model.seq_length,
-            padded_vocab_size=padded_vocab_size, make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
+            num_layers=model.num_layers,
+            hidden_size=model.hidden_size,
+            num_attention_heads=model.num_attention_heads,
+            ffn_hidden_size=model.ffn_size,
+            max_position_embeddings=model.max_position_embeddings,
+            seq_length=model.seq_length,
+            padded_vocab_size=padded_vocab_size,
+            make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
             gelu_approximation=model.gelu_approximation,
             tied_embeddings=not model.untie_embeddings_and_output_weights,
-            layernorm_epsilon=model.layernorm_epsilon, tp=parallel.tensor_model_parallel_size,
+            layernorm_epsilon=model.layernorm_epsilon,
+            tp=parallel.tensor_model_parallel_size,
             pp=parallel.pipeline_model_parallel_size,
             layers_per_virtual_stage=parallel.num_layers_per_virtual_pipeline_stage,
-            sequence_parallel=parallel.sequence_parallel, world_size=world_size,
+            sequence_parallel=parallel.sequence_parallel,
+            world_size=world_size,
         )
 
     @classmethod
@@ -72,6 +83,7 @@ class ModelSpec:
     @classmethod
     def from_args(cls, args: Any) -> ModelSpec:
         """A Megatron checkpoint's `args` Namespace (Megatron-LM's or ours); absent layout fields mean 1."""
+
         def arg(name: str, default: Any = None) -> Any:
             value = getattr(args, name, None) if args is not None else None
             return default if value is None else value
@@ -81,22 +93,28 @@ class ModelSpec:
             raise UserError(f"checkpoint args lack {', '.join(missing)}; cannot tell the model's shape")
         positions = arg("max_position_embeddings") or arg("seq_length")
         return cls(
-            num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+            num_layers=args.num_layers,
+            hidden_size=args.hidden_size,
+            num_attention_heads=args.num_attention_heads,
             ffn_hidden_size=arg("ffn_hidden_size") or 4 * args.hidden_size,
-            max_position_embeddings=positions, seq_length=arg("seq_length") or positions,
+            max_position_embeddings=positions,
+            seq_length=arg("seq_length") or positions,
             padded_vocab_size=arg("padded_vocab_size") or None,
             make_vocab_size_divisible_by=arg("make_vocab_size_divisible_by", 128),
             gelu_approximation="tanh" if (arg("bias_gelu_fusion", False) or arg("openai_gelu", False)) else "none",
             tied_embeddings=not arg("untie_embeddings_and_output_weights", False),
             layernorm_epsilon=arg("layernorm_epsilon", 1e-5),
-            tp=arg("tensor_model_parallel_size", 1), pp=arg("pipeline_model_parallel_size", 1),
+            tp=arg("tensor_model_parallel_size", 1),
+            pp=arg("pipeline_model_parallel_size", 1),
             layers_per_virtual_stage=arg("num_layers_per_virtual_pipeline_stage"),
-            sequence_parallel=arg("sequence_parallel", False), world_size=arg("world_size"),
+            sequence_parallel=arg("sequence_parallel", False),
+            world_size=arg("world_size"),
         )
 
     @classmethod
-    def from_hf_config(cls, config: dict, tp: int = 1, pp: int = 1,
-                       layers_per_virtual_stage: Optional[int] = None) -> ModelSpec:
+    def from_hf_config(
+        cls, config: dict, tp: int = 1, pp: int = 1, layers_per_virtual_stage: Optional[int] = None
+    ) -> ModelSpec:
         """A Hugging Face GPT2 config.json, to be split over TP x PP (its vocabulary taken as padded)."""
         if config.get("model_type") != "gpt2":
             raise UserError(f"model_type {config.get('model_type')!r} is not gpt2; only GPT2 models import")
@@ -107,11 +125,18 @@ class ModelSpec:
             raise UserError("scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn have no Megatron equivalent")
         h = config["n_embd"]
         return cls(
-            num_layers=config["n_layer"], hidden_size=h, num_attention_heads=config["n_head"],
-            ffn_hidden_size=config.get("n_inner") or 4 * h, max_position_embeddings=config["n_positions"],
-            seq_length=config["n_positions"], padded_vocab_size=config["vocab_size"],
-            gelu_approximation=HF_GELU[act], tied_embeddings=config.get("tie_word_embeddings", True),
-            layernorm_epsilon=config.get("layer_norm_epsilon", 1e-5), tp=tp, pp=pp,
+            num_layers=config["n_layer"],
+            hidden_size=h,
+            num_attention_heads=config["n_head"],
+            ffn_hidden_size=config.get("n_inner") or 4 * h,
+            max_position_embeddings=config["n_positions"],
+            seq_length=config["n_positions"],
+            padded_vocab_size=config["vocab_size"],
+            gelu_approximation=HF_GELU[act],
+            tied_embeddings=config.get("tie_word_embeddings", True),
+            layernorm_epsilon=config.get("layer_norm_epsilon", 1e-5),
+            tp=tp,
+            pp=pp,
             layers_per_virtual_stage=layers_per_virtual_stage,
         )
 
@@ -153,14 +178,20 @@ class ModelSpec:
         if problems:  # the divisibility rules below would divide by these
             return problems
         if self.hidden_size % self.num_attention_heads:
-            problems.append(f"model.hidden_size {self.hidden_size} is not divisible by model.num_attention_heads "
-                            f"{self.num_attention_heads}")
+            problems.append(
+                f"model.hidden_size {self.hidden_size} is not divisible by model.num_attention_heads "
+                f"{self.num_attention_heads}"
+            )
         if self.seq_length > self.max_position_embeddings:
-            problems.append(f"model.seq_length {self.seq_length} > model.max_position_embeddings "
-                            f"{self.max_position_embeddings}: raise max_position_embeddings or shorten seq_length")
+            problems.append(
+                f"model.seq_length {self.seq_length} > model.max_position_embeddings "
+                f"{self.max_position_embeddings}: raise max_position_embeddings or shorten seq_length"
+            )
         if self.world_size is not None and self.world_size % (tp * pp):
-            problems.append(f"parallel.world_size {self.world_size} is not divisible by tensor_model_parallel_size "
-                            f"{tp} x pipeline_model_parallel_size {pp}")
+            problems.append(
+                f"parallel.world_size {self.world_size} is not divisible by tensor_model_parallel_size "
+                f"{tp} x pipeline_model_parallel_size {pp}"
+            )
         if self.num_attention_heads % tp:
             problems.append(f"model.num_attention_heads {self.num_attention_heads} is not divisible by TP {tp}")
         if self.ffn_hidden_size % tp:
@@ -173,11 +204,15 @@ class ModelSpec:
         if vls is not None and vls < 1:
             problems.append(f"{key} must be >= 1 or null (got {vls})")
         elif vls is not None and pp < 2:
-            problems.append(f"{key} {vls} needs pipeline_model_parallel_size >= 2 (got {pp}); "
-                            "set it to null without pipeline parallelism")
+            problems.append(
+                f"{key} {vls} needs pipeline_model_parallel_size >= 2 (got {pp}); "
+                "set it to null without pipeline parallelism"
+            )
         elif vls is not None and self.num_layers % (pp * vls):
-            problems.append(f"model.num_layers {self.num_layers} is not divisible by pipeline_model_parallel_size "
-                            f"{pp} x {key} {vls} = {pp * vls}")
+            problems.append(
+                f"model.num_layers {self.num_layers} is not divisible by pipeline_model_parallel_size "
+                f"{pp} x {key} {vls} = {pp * vls}"
+            )
         if self.sequence_parallel and tp == 1:
             problems.append("parallel.sequence_parallel needs tensor_model_parallel_size > 1")
         if self.sequence_parallel and self.seq_length % tp:
@@ -195,8 +230,10 @@ class ModelSpec:
         """The args fields Megatron tools (and transformers' converter) read from a checkpoint."""
         layout = {}
         if self.layers_per_virtual_stage is not None:
-            layout = {"num_layers_per_virtual_pipeline_stage": self.layers_per_virtual_stage,
-                      "virtual_pipeline_model_parallel_size": self.virtual_stages}
+            layout = {
+                "num_layers_per_virtual_pipeline_stage": self.layers_per_virtual_stage,
+                "virtual_pipeline_model_parallel_size": self.virtual_stages,
+            }
         return argparse.Namespace(
             num_layers=self.num_layers,
             hidden_size=self.hidden_size,
@@ -219,16 +256,19 @@ class ModelSpec:
     def to_model_config(self, **extra: Any) -> ModelConfig:
         """The model section that builds this shape; `extra` sets the rest (dropout, attention_backend, ...).
         Its seq_length is max_position_embeddings: a loaded model takes any input its positions cover."""
-        return dataclasses.replace(ModelConfig(
-            num_layers=self.num_layers,
-            hidden_size=self.hidden_size,
-            num_attention_heads=self.num_attention_heads,
-            ffn_hidden_size=self.ffn_hidden_size,
-            seq_length=self.max_position_embeddings,
-            max_position_embeddings=self.max_position_embeddings,
-            make_vocab_size_divisible_by=self.make_vocab_size_divisible_by,
-            layernorm_epsilon=self.layernorm_epsilon,
-            bias_gelu_fusion=self.gelu_approximation == "tanh",
-            openai_gelu=False,
-            untie_embeddings_and_output_weights=not self.tied_embeddings,
-        ), **extra)
+        return dataclasses.replace(
+            ModelConfig(
+                num_layers=self.num_layers,
+                hidden_size=self.hidden_size,
+                num_attention_heads=self.num_attention_heads,
+                ffn_hidden_size=self.ffn_hidden_size,
+                seq_length=self.max_position_embeddings,
+                max_position_embeddings=self.max_position_embeddings,
+                make_vocab_size_divisible_by=self.make_vocab_size_divisible_by,
+                layernorm_epsilon=self.layernorm_epsilon,
+                bias_gelu_fusion=self.gelu_approximation == "tanh",
+                openai_gelu=False,
+                untie_embeddings_and_output_weights=not self.tied_embeddings,
+            ),
+            **extra,
+        )

@@ -65,9 +65,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if expected in (int, float, str, bool, list, dict):
         if isinstance(value, expected) and not (expected is int and isinstance(value, bool)):
             return value
-        raise UserError(
-            f"{where}: got {value!r} ({type(value).__name__}), expected {_type_name(tp)}"
-        )
+        raise UserError(f"{where}: got {value!r} ({type(value).__name__}), expected {_type_name(tp)}")
     return value
 
 
@@ -93,8 +91,10 @@ def _build_source(raw: Any, where: str) -> CorpusSource:
         if key == "type":
             continue
         if key not in keys:
-            raise UserError(f"{where}.{key}: unknown key for a {kind} source{did_you_mean(str(key), keys)} "
-                            f"(its keys: {', '.join(keys) or 'none'})")
+            raise UserError(
+                f"{where}.{key}: unknown key for a {kind} source{did_you_mean(str(key), keys)} "
+                f"(its keys: {', '.join(keys) or 'none'})"
+            )
         values[key] = _coerce(value, hints[key], f"{where}.{key}")
     for key, spec in keys.items():
         required = spec.default is dataclasses.MISSING and spec.default_factory is dataclasses.MISSING
@@ -113,8 +113,11 @@ def _build_section(cls: type, values: Any, section: str):
     kwargs = {}
     for key, value in values.items():
         if key not in hints:
-            elsewhere = [f"{name}.{key}" for name, other in SECTIONS.items()
-                         if name != section and key in typing.get_type_hints(other)]
+            elsewhere = [
+                f"{name}.{key}"
+                for name, other in SECTIONS.items()
+                if name != section and key in typing.get_type_hints(other)
+            ]
             hint = f"; it belongs in another section: '{elsewhere[0]}'" if elsewhere else did_you_mean(key, hints)
             raise UserError(f"unknown key '{section}.{key}'{hint}")
         kwargs[key] = _coerce(value, hints[key], f"{section}.{key}")

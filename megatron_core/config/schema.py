@@ -245,7 +245,6 @@ SECTIONS: dict[str, type] = {
 TOP_LEVEL = ("name", "version", "description", "family", "hardware")
 
 
-
 @dataclass
 class Recipe:
     name: str
@@ -273,7 +272,7 @@ class Recipe:
 
     @property
     def precision(self) -> str:
-        """"fp16", "bf16" or "fp32": the training precision the recipe asks for."""
+        """ "fp16", "bf16" or "fp32": the training precision the recipe asks for."""
         return "fp16" if self.training.fp16 else "bf16" if self.training.bf16 else "fp32"
 
     def padded_vocab_size(self, vocab_size: int) -> int:
@@ -313,8 +312,11 @@ class Recipe:
     def unpinned_revisions(self) -> list[str]:
         """The Hub revisions this recipe names that can move: anything but a full commit sha (a branch
         such as `main`, or a tag). Their run records the commit it resolved (provenance)."""
-        named = [(f"corpus.sources[{i}].revision", source.revision)
-                 for i, source in enumerate(self.corpus.sources) if isinstance(source, HfDatasetSource)]
+        named = [
+            (f"corpus.sources[{i}].revision", source.revision)
+            for i, source in enumerate(self.corpus.sources)
+            if isinstance(source, HfDatasetSource)
+        ]
         if self.tokenizer.hf_tokenizer is not None:
             named.append(("tokenizer.hf_tokenizer_revision", self.tokenizer.hf_tokenizer_revision))
         return [f"{key}={value}" for key, value in named if not _is_commit_sha(value)]
@@ -364,4 +366,3 @@ def _diff_dicts(a: dict, b: dict, prefix: str = "") -> set[str]:
         elif va != vb:
             out.add(dotted)
     return out
-

@@ -19,10 +19,15 @@ def lr_warmup_problem(t: TrainingConfig) -> Optional[str]:
     if t.lr_warmup_iters < t.decay_iters or (not decaying and t.lr_warmup_iters == t.decay_iters):
         return None
     decay_key = "training.lr_decay_iters" if t.lr_decay_iters is not None else "training.train_iters"
-    must = f"must be below {decay_key} {t.decay_iters} for {t.lr_decay_style} decay" if decaying else \
-        f"exceeds {decay_key} {t.decay_iters}"
-    return (f"training.lr_warmup_iters {t.lr_warmup_iters} {must}; add --set training.lr_warmup_iters="
-            f"{t.decay_iters // 10} (a tenth of the run), or raise {decay_key} above {t.lr_warmup_iters}")
+    must = (
+        f"must be below {decay_key} {t.decay_iters} for {t.lr_decay_style} decay"
+        if decaying
+        else f"exceeds {decay_key} {t.decay_iters}"
+    )
+    return (
+        f"training.lr_warmup_iters {t.lr_warmup_iters} {must}; add --set training.lr_warmup_iters="
+        f"{t.decay_iters // 10} (a tenth of the run), or raise {decay_key} above {t.lr_warmup_iters}"
+    )
 
 
 def validate(recipe: Recipe) -> None:
@@ -49,19 +54,25 @@ def validate(recipe: Recipe) -> None:
     pp, vls = spec.pp, spec.layers_per_virtual_stage
     num_micro_batches = t.global_batch_size // (t.micro_batch_size * dp)
     if vls is not None and vls >= 1 and pp >= 2 and num_micro_batches % pp:
-        problems.append(f"the interleaved schedule needs the number of micro batches per iteration "
-                        f"({num_micro_batches} = global_batch_size / (micro_batch_size x data-parallel size)) "
-                        f"to be a multiple of pipeline_model_parallel_size {pp}")
+        problems.append(
+            f"the interleaved schedule needs the number of micro batches per iteration "
+            f"({num_micro_batches} = global_batch_size / (micro_batch_size x data-parallel size)) "
+            f"to be a multiple of pipeline_model_parallel_size {pp}"
+        )
     if t.fp16 and t.bf16:
         problems.append("training.fp16 and training.bf16 are both set: choose one")
     if t.keep_last_checkpoints is not None and t.keep_last_checkpoints < 0:
-        problems.append(f"training.keep_last_checkpoints must be >= 0 (0 or null keeps every checkpoint), got "
-                        f"{t.keep_last_checkpoints}")
+        problems.append(
+            f"training.keep_last_checkpoints must be >= 0 (0 or null keeps every checkpoint), got "
+            f"{t.keep_last_checkpoints}"
+        )
     if t.max_consecutive_nan_steps < 1:
         problems.append(f"training.max_consecutive_nan_steps must be >= 1, got {t.max_consecutive_nan_steps}")
     if t.optimizer == "apex" and t.device == "cpu":
-        problems.append("training.optimizer 'apex' (Apex's FusedAdam) runs on CUDA only but training.device is "
-                        "cpu: use --set optimizer=adam (torch's AdamW)")
+        problems.append(
+            "training.optimizer 'apex' (Apex's FusedAdam) runs on CUDA only but training.device is "
+            "cpu: use --set optimizer=adam (torch's AdamW)"
+        )
     warmup_problem = lr_warmup_problem(t)
     if warmup_problem:
         problems.append(warmup_problem)
@@ -103,12 +114,16 @@ def _bound_problems(recipe: Recipe) -> list[str]:
         ("training.save_interval", t.save_interval, t.save_interval is None or t.save_interval >= 1, ">= 1 or null"),
         ("model.init_method_std", m.init_method_std, m.init_method_std > 0, "> 0"),
     ]
-    problems = [f"{key} must be {must}{' ' if must.endswith(';') else ' ('}got {value})"
-                for key, value, holds, must in bounds if not holds]
+    problems = [
+        f"{key} must be {must}{' ' if must.endswith(';') else ' ('}got {value})"
+        for key, value, holds, must in bounds
+        if not holds
+    ]
     if t.fp16:
         if not 0 < t.min_loss_scale <= t.initial_loss_scale:
-            problems.append(f"training.min_loss_scale {t.min_loss_scale} must be in (0, initial_loss_scale "
-                            f"{t.initial_loss_scale}]")
+            problems.append(
+                f"training.min_loss_scale {t.min_loss_scale} must be in (0, initial_loss_scale {t.initial_loss_scale}]"
+            )
         if t.loss_scale_window < 1 or t.hysteresis < 1:
             problems.append("training.loss_scale_window and training.hysteresis must be >= 1")
     return problems

@@ -21,8 +21,16 @@ def main(argv=None) -> int:
     parser.add_argument("--overwrite", action="store_true", help="replace a model already in --save")
     ns = parser.parse_args(argv)
     try:
-        convert_checkpoint(ns.load, ns.save, iteration=ns.iteration, format=ns.format, dtype=ns.dtype,
-                           vocab_file=ns.vocab_file, merge_file=ns.merge_file, overwrite=ns.overwrite)
+        convert_checkpoint(
+            ns.load,
+            ns.save,
+            iteration=ns.iteration,
+            format=ns.format,
+            dtype=ns.dtype,
+            vocab_file=ns.vocab_file,
+            merge_file=ns.merge_file,
+            overwrite=ns.overwrite,
+        )
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -35,6 +35,7 @@ from megatron_core.log import get_logger
 
 _LOG = get_logger(__name__, tag="convert")
 
+
 def read_hf_state(model_dir: Path) -> dict:
     st, bin_ = model_dir / "model.safetensors", model_dir / "pytorch_model.bin"
     if st.exists():
@@ -43,13 +44,21 @@ def read_hf_state(model_dir: Path) -> dict:
         return load_file(str(st))
     if bin_.exists():
         return torch.load(bin_, map_location="cpu", weights_only=True)
-    raise UserError(f"{model_dir} has neither model.safetensors nor pytorch_model.bin (sharded HF weights are not "
-                    "supported); save the model with save_pretrained(max_shard_size='100GB')")
+    raise UserError(
+        f"{model_dir} has neither model.safetensors nor pytorch_model.bin (sharded HF weights are not "
+        "supported); save the model with save_pretrained(max_shard_size='100GB')"
+    )
 
 
-def import_hf_model(model: Union[str, Path], save: Union[str, Path], tp: int = 1, pp: int = 1,
-                    iteration: Union[int, str] = "release", overwrite: bool = False,
-                    num_layers_per_virtual_pipeline_stage: Optional[int] = None) -> dict:
+def import_hf_model(
+    model: Union[str, Path],
+    save: Union[str, Path],
+    tp: int = 1,
+    pp: int = 1,
+    iteration: Union[int, str] = "release",
+    overwrite: bool = False,
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None,
+) -> dict:
     model, save = Path(model), Path(save)
     config_file = model / "config.json"
     if not config_file.exists():
@@ -93,21 +102,27 @@ def import_hf_model(model: Union[str, Path], save: Union[str, Path], tp: int = 1
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_core.convert.hf_to_megatron",
-                                     description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_core.convert.hf_to_megatron", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--model", required=True, help="Hugging Face GPT2 directory")
     parser.add_argument("--save", required=True, help="output Megatron checkpoint directory")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
-                        help="write the interleaved schedule's chunked layout (model0, model1, ... per rank)")
+    parser.add_argument(
+        "--num-layers-per-virtual-pipeline-stage",
+        type=int,
+        default=None,
+        help="write the interleaved schedule's chunked layout (model0, model1, ... per rank)",
+    )
     parser.add_argument("--iteration", default="release", help="iteration number to record, or 'release'")
     parser.add_argument("--overwrite", action="store_true")
     ns = parser.parse_args(argv)
     try:
         iteration = ns.iteration if ns.iteration == "release" else int(ns.iteration)
-        import_hf_model(ns.model, ns.save, ns.tp, ns.pp, iteration, ns.overwrite,
-                        ns.num_layers_per_virtual_pipeline_stage)
+        import_hf_model(
+            ns.model, ns.save, ns.tp, ns.pp, iteration, ns.overwrite, ns.num_layers_per_virtual_pipeline_stage
+        )
     except (UserError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

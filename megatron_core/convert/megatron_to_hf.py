@@ -189,8 +189,10 @@ def convert_checkpoint(
     ckpt = read_checkpoint(load, iteration)
     vocab, merges = find_tokenizer_files(ckpt, vocab_file, merge_file)
     out_dtype = DTYPES[dtype] if dtype else ckpt.dtype
-    _LOG.info(f"TP {ckpt.tensor_parallel} x PP {ckpt.pipeline_parallel}, checkpoint_version "
-              f"{ckpt.checkpoint_version}, {ckpt.spec.num_layers} layers, {ckpt.dtype} -> {out_dtype}")
+    _LOG.info(
+        f"TP {ckpt.tensor_parallel} x PP {ckpt.pipeline_parallel}, checkpoint_version "
+        f"{ckpt.checkpoint_version}, {ckpt.spec.num_layers} layers, {ckpt.dtype} -> {out_dtype}"
+    )
     state = {k: v.to(out_dtype) for k, v in megatron_to_gpt2_state(ckpt.state, ckpt.spec).items()}
 
     save.parent.mkdir(parents=True, exist_ok=True)
@@ -202,8 +204,10 @@ def convert_checkpoint(
         if eod_id is None:
             _LOG.warning(f"the vocab has no {EOD_TOKEN}; bos/eos left unset")
         if len(tokenizer) > ckpt.spec.padded_vocab_size:
-            raise UserError(f"the tokenizer has {len(tokenizer)} tokens but the model only "
-                            f"{ckpt.spec.padded_vocab_size} embedding rows; wrong --vocab-file?")
+            raise UserError(
+                f"the tokenizer has {len(tokenizer)} tokens but the model only "
+                f"{ckpt.spec.padded_vocab_size} embedding rows; wrong --vocab-file?"
+            )
         config = gpt2_config(ckpt.spec, eod_id, out_dtype, ckpt.args)
         config.save_pretrained(tmp)
         _generation_config(eod_id, positions).save_pretrained(tmp)
@@ -233,8 +237,9 @@ def convert_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _LOG.info(f"wrote {save} ({summary['num_parameters']:,} parameters, {', '.join(files)}) in "
-              f"{time.time() - start:.1f}s")
+    _LOG.info(
+        f"wrote {save} ({summary['num_parameters']:,} parameters, {', '.join(files)}) in {time.time() - start:.1f}s"
+    )
     return summary
 
 

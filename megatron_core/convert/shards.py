@@ -92,8 +92,9 @@ def load_shard_file(path: Path) -> dict:
             "point --load at a directory written by Megatron-LM or megatron_core training"
         ) from None
     if not isinstance(obj, dict) or not any(map(is_model_key, obj)):
-        raise UserError(f"{path} is not a Megatron checkpoint (no 'model' or 'model0' key); point --load at a "
-                        "Megatron save dir")
+        raise UserError(
+            f"{path} is not a Megatron checkpoint (no 'model' or 'model0' key); point --load at a Megatron save dir"
+        )
     return obj
 
 
@@ -178,8 +179,10 @@ def _check_same(shards: dict, key: str, where: str) -> Any:
     distinct = {repr(v) for v in values.values()}
     if len(distinct) > 1:
         detail = ", ".join(f"mp_rank {pos}: {v!r}" for pos, v in sorted(values.items()))
-        raise UserError(f"shards of {where} disagree on '{key}' ({detail}); they come from different runs or "
-                        "iterations: copy one checkpoint's shards together")
+        raise UserError(
+            f"shards of {where} disagree on '{key}' ({detail}); they come from different runs or "
+            "iterations: copy one checkpoint's shards together"
+        )
     return next(iter(values.values()))
 
 
@@ -196,16 +199,25 @@ def read_checkpoint(load_dir, iteration=None) -> MergedCheckpoint:
     check_rank_files(iter_dir, shards, tp, pp)
     for key in ("iteration", "recipe_hash", "checkpoint_version"):
         _check_same(shards, key, iter_dir)
-    args_seen = {pos: (_arg(c.get("args"), "tensor_model_parallel_size"),
-                       _arg(c.get("args"), "pipeline_model_parallel_size"),
-                       _arg(c.get("args"), "num_layers"), _arg(c.get("args"), "hidden_size"))
-                 for pos, c in shards.items()}
+    args_seen = {
+        pos: (
+            _arg(c.get("args"), "tensor_model_parallel_size"),
+            _arg(c.get("args"), "pipeline_model_parallel_size"),
+            _arg(c.get("args"), "num_layers"),
+            _arg(c.get("args"), "hidden_size"),
+        )
+        for pos, c in shards.items()
+    }
     if len(set(args_seen.values())) > 1:
-        raise UserError(f"{iter_dir}: shards disagree on the model/parallel args {args_seen}; they come from "
-                        "different runs: copy one checkpoint's shards together")
+        raise UserError(
+            f"{iter_dir}: shards disagree on the model/parallel args {args_seen}; they come from "
+            "different runs: copy one checkpoint's shards together"
+        )
     if iteration != "release" and first.get("iteration") not in (None, iteration):
-        raise UserError(f"{iter_dir}: shards say iteration {first.get('iteration')}, folder says {iteration}; "
-                        "the folder was renamed or mixed up")
+        raise UserError(
+            f"{iter_dir}: shards say iteration {first.get('iteration')}, folder says {iteration}; "
+            "the folder was renamed or mixed up"
+        )
     version = float(first.get("checkpoint_version", 0) or 0)
     # The layout is the shards' (older args may not say it); the shape must split over it.
     spec = dataclasses.replace(ModelSpec.from_args(args), tp=tp, pp=pp)
@@ -214,16 +226,29 @@ def read_checkpoint(load_dir, iteration=None) -> MergedCheckpoint:
     chunks = _check_same({pos: {"model chunks": len(c)} for pos, c in chunk_states.items()}, "model chunks", iter_dir)
     recorded = _arg(args, "virtual_pipeline_model_parallel_size")
     if (recorded or 1) != chunks:
-        raise UserError(f"{iter_dir}: the shards hold {chunks} model chunk(s) each but args.virtual_pipeline_model_"
-                        f"parallel_size is {recorded}; the args do not match the shards")
+        raise UserError(
+            f"{iter_dir}: the shards hold {chunks} model chunk(s) each but args.virtual_pipeline_model_"
+            f"parallel_size is {recorded}; the args do not match the shards"
+        )
     state = _merge(chunk_states, version, spec, tp, pp)  # positions in model order: chunk c of PP rank r is c x PP + r
     embedding = state["embedding.word_embeddings.weight"]
-    spec = dataclasses.replace(spec, padded_vocab_size=spec.padded_vocab_size or embedding.shape[0],
-                               tied_embeddings="output_layer.weight" not in state)
+    spec = dataclasses.replace(
+        spec,
+        padded_vocab_size=spec.padded_vocab_size or embedding.shape[0],
+        tied_embeddings="output_layer.weight" not in state,
+    )
     return MergedCheckpoint(
-        state=state, spec=spec, args=args, iteration=iteration, checkpoint_version=version,
-        tensor_parallel=tp, pipeline_parallel=pp, dtype=embedding.dtype, recipe=first.get("recipe"),
-        recipe_hash=first.get("recipe_hash"), source=str(iter_dir),
+        state=state,
+        spec=spec,
+        args=args,
+        iteration=iteration,
+        checkpoint_version=version,
+        tensor_parallel=tp,
+        pipeline_parallel=pp,
+        dtype=embedding.dtype,
+        recipe=first.get("recipe"),
+        recipe_hash=first.get("recipe_hash"),
+        source=str(iter_dir),
     )
 
 
@@ -247,8 +272,10 @@ def _merge(chunk_states: dict, version: float, shape: ModelSpec, tp: int, pp: in
     merged = merge_chunked_states(chunk_states, tp, pp, sharding)
     layers = len({m.group(1) for m in map(LAYER_KEY.match, merged) if m})
     if layers != shape.num_layers:
-        raise UserError(f"the shards hold {layers} layers but args.num_layers is {shape.num_layers}; "
-                        "a pipeline stage is missing or the args are wrong")
+        raise UserError(
+            f"the shards hold {layers} layers but args.num_layers is {shape.num_layers}; "
+            "a pipeline stage is missing or the args are wrong"
+        )
     return merged
 
 
@@ -268,8 +295,19 @@ def split_state(state: dict, shape: ModelSpec) -> dict[tuple[int, int], Any]:
     out: dict[tuple[int, int], Any] = {}
     for stage in range(pp):
         for rank in range(tp):
-            nested = [nest_model_state(flat) for flat in split_chunked_state(
-                state, tp, pp, rank, stage, chunks, num_layers=shape.num_layers, tied=shape.tied_embeddings,
-                sharding=sharding)]
+            nested = [
+                nest_model_state(flat)
+                for flat in split_chunked_state(
+                    state,
+                    tp,
+                    pp,
+                    rank,
+                    stage,
+                    chunks,
+                    num_layers=shape.num_layers,
+                    tied=shape.tied_embeddings,
+                    sharding=sharding,
+                )
+            ]
             out[(rank, stage)] = nested[0] if vls is None else nested
     return out

@@ -120,8 +120,9 @@ def check_blend_fits(datasets: Sequence, dataset_index: np.ndarray, split_name: 
             )
 
 
-def timed_blending_indices(weights: Sequence[float], size: int,
-                           log: Callable[[str], None]) -> Tuple[np.ndarray, np.ndarray]:
+def timed_blending_indices(
+    weights: Sequence[float], size: int, log: Callable[[str], None]
+) -> Tuple[np.ndarray, np.ndarray]:
     log(f"building blending indices for {size} samples over {len(weights)} datasets")
     start = time.perf_counter()
     result = build_blending_indices(weights, size)

@@ -62,8 +62,10 @@ def _read_jsonl_file(path: str, key: str) -> Iterator[dict]:
                 try:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError as exc:
-                    raise UserError(f"{path} line {number}: not UTF-8 ({exc.reason} at column {exc.start + 1}); "
-                                    "re-encode the file as UTF-8") from None
+                    raise UserError(
+                        f"{path} line {number}: not UTF-8 ({exc.reason} at column {exc.start + 1}); "
+                        "re-encode the file as UTF-8"
+                    ) from None
                 if not line.strip():
                     continue
                 try:
@@ -74,8 +76,9 @@ def _read_jsonl_file(path: str, key: str) -> Iterator[dict]:
                     raise UserError(f"{path} line {number}: no string under key {key!r}; set the source's 'key'")
                 yield {"content": doc[key], "path": path, "line": number, "source": "jsonl"}
     except (OSError, EOFError) as exc:  # gzip.BadGzipFile is an OSError
-        raise UserError(f"cannot read {path}: {type(exc).__name__}: {exc}; check the file "
-                        "(a truncated or mislabelled .gz?)") from None
+        raise UserError(
+            f"cannot read {path}: {type(exc).__name__}: {exc}; check the file (a truncated or mislabelled .gz?)"
+        ) from None
 
 
 def _hf_documents(source: HfDatasetSource) -> Iterator[dict]:
@@ -89,16 +92,20 @@ def _hf_documents(source: HfDatasetSource) -> Iterator[dict]:
             if isinstance(ds, datasets.DatasetDict):
                 ds = ds[split]
         elif local.is_dir():
-            files = sorted(p for p in local.rglob("*")
-                           if p.suffix in (".parquet", ".json", ".jsonl") or p.name.endswith(".jsonl.gz"))
+            files = sorted(
+                p
+                for p in local.rglob("*")
+                if p.suffix in (".parquet", ".json", ".jsonl") or p.name.endswith(".jsonl.gz")
+            )
             if not files:
                 raise UserError(f"corpus source hf-dataset: {name} holds no parquet/json files")
             builder = "parquet" if files[0].suffix == ".parquet" else "json"
             ds = datasets.load_dataset(builder, data_files=[str(p) for p in files], split="train")
         else:
             if not revision:
-                raise UserError(f"corpus source hf-dataset {name}: pin a 'revision' (commit sha or tag) "
-                                "for a reproducible corpus")
+                raise UserError(
+                    f"corpus source hf-dataset {name}: pin a 'revision' (commit sha or tag) for a reproducible corpus"
+                )
             revision = hub_commit(name, revision, "dataset")  # what a branch or tag points at now, recorded
             _LOG.info(f"hf-dataset {name}@{source.revision} resolved to commit {revision}")
             ds = datasets.load_dataset(name, revision=revision, split=split, streaming=True)
@@ -118,7 +125,9 @@ def _hf_documents(source: HfDatasetSource) -> Iterator[dict]:
 
 # Each source type's reader (a type without one is refused by tests/test_corpus_sources.py).
 _READERS: dict[type[CorpusSource], Callable[..., Iterator[dict]]] = {
-    PythonStdlibSource: _stdlib_documents, JsonlSource: _jsonl_documents, HfDatasetSource: _hf_documents,
+    PythonStdlibSource: _stdlib_documents,
+    JsonlSource: _jsonl_documents,
+    HfDatasetSource: _hf_documents,
 }
 
 
@@ -127,8 +136,9 @@ def iter_documents(sources: Sequence[CorpusSource]) -> Iterator[dict]:
         yield from _READERS[type(source)](source)
 
 
-def build_corpus(sources: Sequence[CorpusSource], out_path, max_documents: Optional[int] = None,
-                 max_bytes: Optional[int] = None) -> dict:
+def build_corpus(
+    sources: Sequence[CorpusSource], out_path, max_documents: Optional[int] = None, max_bytes: Optional[int] = None
+) -> dict:
     """Write every source's documents (in order) as JSON lines to out_path, atomically.
     Stops before the document that would exceed max_documents or max_bytes (of content, UTF-8)."""
     out_path = Path(out_path)
@@ -153,12 +163,19 @@ def build_corpus(sources: Sequence[CorpusSource], out_path, max_documents: Optio
                 if doc["source"] == "hf-dataset":
                     resolved[doc["dataset"]] = doc["revision"]
         if documents == 0:
-            raise UserError(f"the corpus sources {[source.to_dict() for source in sources]} gave no documents; "
-                            "check them (and max_documents/max_bytes)")
+            raise UserError(
+                f"the corpus sources {[source.to_dict() for source in sources]} gave no documents; "
+                "check them (and max_documents/max_bytes)"
+            )
 
     replace_atomically(out_path, write)
-    summary = {"documents": documents, "content_bytes": content_bytes, "per_source": per_source, "path": str(out_path),
-               "resolved_revisions": resolved}
+    summary = {
+        "documents": documents,
+        "content_bytes": content_bytes,
+        "per_source": per_source,
+        "path": str(out_path),
+        "resolved_revisions": resolved,
+    }
     if any(isinstance(source, PythonStdlibSource) for source in sources):
         summary["python"] = platform.python_version()  # the standard library it read is this Python's
     _LOG.info(f"{documents} documents, {content_bytes / 1e6:.1f} MB of content -> {out_path}")

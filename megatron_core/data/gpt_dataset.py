@@ -73,8 +73,9 @@ def _distributed() -> bool:
 # Sample counts and split
 
 
-def samples_per_split(train_iters: int, global_batch_size: int, eval_interval: int,
-                      eval_iters: int) -> Tuple[int, int, int]:
+def samples_per_split(
+    train_iters: int, global_batch_size: int, eval_interval: int, eval_iters: int
+) -> Tuple[int, int, int]:
     """Samples requested per split, as Megatron-LM's training loop asks for them."""
     n_train = train_iters * global_batch_size
     n_valid = (train_iters // eval_interval + 1) * eval_iters * global_batch_size
@@ -83,7 +84,7 @@ def samples_per_split(train_iters: int, global_batch_size: int, eval_interval: i
 
 
 def parse_split(split: str) -> List[Optional[Tuple[float, float]]]:
-    """"969,30,1" -> [(0, a), (a, a+b), (a+b, 1)] with None for an empty part (megatron-core's float math)."""
+    """ "969,30,1" -> [(0, a), (a, a+b), (a+b, 1)] with None for an empty part (megatron-core's float math)."""
     text = str(split)
     parts = re.findall(r"[.0-9]+", text)
     if not parts or len(parts) > 3 or re.sub(r"[.0-9,/\s]", "", text):
@@ -106,7 +107,8 @@ def split_sequence_ranges(split: str, num_sequences: int) -> List[Optional[Tuple
     data was sentence-split): boundaries are int(round(fraction * num_sequences)).
     """
     return [
-        None if part is None
+        None
+        if part is None
         else (int(round(part[0] * float(num_sequences))), int(round(part[1] * float(num_sequences))))
         for part in parse_split(split)
     ]
@@ -140,8 +142,9 @@ def plan_epochs(tokens_per_epoch: int, num_samples: Optional[int], seq_length: i
     return EpochPlan(tokens_per_epoch, num_epochs, separate, before_last)
 
 
-def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState,
-                         separate_last_epoch: bool) -> np.ndarray:
+def build_document_index(
+    documents: np.ndarray, num_epochs: int, rng: np.random.RandomState, separate_last_epoch: bool
+) -> np.ndarray:
     """num_epochs copies of `documents` (int32), shuffled together; the last copy alone when separate."""
     if not separate_last_epoch or num_epochs == 1:
         document_index = np.tile(documents.astype(np.int32, copy=False), num_epochs)
@@ -155,8 +158,9 @@ def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.
 INT32_INDEX_LIMIT = np.iinfo(np.int32).max  # beyond it the sample index is int64
 
 
-def build_sample_index(sequence_lengths: np.ndarray, document_index: np.ndarray, seq_length: int,
-                       tokens_in_index: int) -> np.ndarray:
+def build_sample_index(
+    sequence_lengths: np.ndarray, document_index: np.ndarray, seq_length: int, tokens_in_index: int
+) -> np.ndarray:
     """[num_samples + 1, 2] rows (position in document_index, token offset), num_samples = (tokens-1)//S.
 
     Row k marks flat token position k * seq_length of the documents concatenated in
@@ -225,8 +229,9 @@ class GPTIndices:
         return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
 
 
-def build_gpt_indices(sequence_lengths: np.ndarray, documents: np.ndarray, seq_length: int, num_samples: Optional[int],
-                      seed: int) -> GPTIndices:
+def build_gpt_indices(
+    sequence_lengths: np.ndarray, documents: np.ndarray, seq_length: int, num_samples: Optional[int], seed: int
+) -> GPTIndices:
     """The three indices for one split: documents are its sequence ids, sequence_lengths the whole dataset's."""
     tokens_per_epoch = int(np.sum(sequence_lengths[documents], dtype=np.int64))
     if tokens_per_epoch < 2:
@@ -290,8 +295,10 @@ class IndexCache:
         return os.path.join(self.cache_dir, f"{self.base}-description.json")
 
     def is_complete(self) -> bool:
-        return self.cache_dir is not None and os.path.isfile(self.description_path) and all(
-            os.path.isfile(self.path(n)) for n in self.names
+        return (
+            self.cache_dir is not None
+            and os.path.isfile(self.description_path)
+            and all(os.path.isfile(self.path(n)) for n in self.names)
         )
 
     def save(self, arrays: Dict[str, np.ndarray]) -> None:
@@ -341,8 +348,9 @@ def load_or_build(cache: IndexCache, build, what: str) -> Dict[str, np.ndarray]:
     if _distributed():
         torch.distributed.barrier()
     if not cache.is_complete():
-        raise RuntimeError(f"{what}: index files {cache.base}-* missing in {cache.cache_dir} "
-                           "after this node built them")
+        raise RuntimeError(
+            f"{what}: index files {cache.base}-* missing in {cache.cache_dir} after this node built them"
+        )
     if _rank() == 0:
         log(f"{what}: memory-mapping {cache.base}-*.npy")
     return cache.load()
@@ -363,8 +371,15 @@ def _timed_build(build, what: str) -> Dict[str, np.ndarray]:
 class GPTDataset(torch.utils.data.Dataset):
     """Shuffled GPT samples of one split: dicts of int64 tensors, each seq_length long."""
 
-    def __init__(self, indexed_dataset, indices: Dict[str, np.ndarray], seq_length: int, split_name: str,
-                 eod_mask_token: Optional[int] = None, vocab_size: Optional[int] = None):
+    def __init__(
+        self,
+        indexed_dataset,
+        indices: Dict[str, np.ndarray],
+        seq_length: int,
+        split_name: str,
+        eod_mask_token: Optional[int] = None,
+        vocab_size: Optional[int] = None,
+    ):
         self.indexed_dataset = indexed_dataset
         self.vocab_size = vocab_size  # token ids at or above it are refused (they would index past the embedding)
         self.document_index = indices["document_index"]
@@ -400,14 +415,19 @@ class GPTDataset(torch.utils.data.Dataset):
             raise GPTDatasetError(
                 f"{self.indexed_dataset.path_prefix}.bin holds token id {int(sample.max())} "
                 f"(in {self.split_name} sample {idx}), not below the padded vocabulary size {self.vocab_size}: "
-                "it was tokenized with another vocabulary; re-run `invoke preprocess` with this run's tokenizer")
+                "it was tokenized with another vocabulary; re-run `invoke preprocess` with this run's tokenizer"
+            )
         text = torch.from_numpy(sample.astype(np.int64))
         tokens = text[:-1].contiguous()
         loss_mask = torch.ones(self.seq_length, dtype=torch.int64)
         if self.eod_mask_token is not None:
             loss_mask[tokens == self.eod_mask_token] = 0
-        return {"tokens": tokens, "labels": text[1:].contiguous(), "loss_mask": loss_mask,
-                "position_ids": self._position_ids.clone()}
+        return {
+            "tokens": tokens,
+            "labels": text[1:].contiguous(),
+            "loss_mask": loss_mask,
+            "position_ids": self._position_ids.clone(),
+        }
 
 
 def _open_indexed_dataset(prefix: str):
@@ -415,14 +435,24 @@ def _open_indexed_dataset(prefix: str):
 
     for suffix in (".bin", ".idx"):
         if not os.path.isfile(prefix + suffix):
-            raise GPTDatasetError(f"data file {prefix + suffix} not found; give the prefix of a preprocessed "
-                                  ".bin/.idx pair (without the suffix)")
+            raise GPTDatasetError(
+                f"data file {prefix + suffix} not found; give the prefix of a preprocessed "
+                ".bin/.idx pair (without the suffix)"
+            )
     return IndexedDataset(prefix)
 
 
-def _gpt_split_datasets(prefix: str, indexed, split: str, seq_length: int, sizes: Sequence[Optional[int]], seed: int,
-                        cache_dir: Optional[str], eod_mask_token: Optional[int],
-                        vocab_size: Optional[int] = None) -> List[Optional[GPTDataset]]:
+def _gpt_split_datasets(
+    prefix: str,
+    indexed,
+    split: str,
+    seq_length: int,
+    sizes: Sequence[Optional[int]],
+    seed: int,
+    cache_dir: Optional[str],
+    eod_mask_token: Optional[int],
+    vocab_size: Optional[int] = None,
+) -> List[Optional[GPTDataset]]:
     sequence_lengths = np.asarray(indexed.sequence_lengths)
     ranges = split_sequence_ranges(split, len(sequence_lengths))
     identity = _file_identity(prefix + ".idx")
@@ -438,9 +468,16 @@ def _gpt_split_datasets(prefix: str, indexed, split: str, seq_length: int, sizes
                 "use more data or a split with a larger (or zero) share for it"
             )
         description = {
-            "format": INDEX_FORMAT_VERSION, "class": "GPTDataset", "path_prefix": os.path.realpath(prefix),
-            "idx_file": identity, "split": name, "begin": begin, "end": end, "seed": seed,
-            "seq_length": seq_length, "num_samples": size,
+            "format": INDEX_FORMAT_VERSION,
+            "class": "GPTDataset",
+            "path_prefix": os.path.realpath(prefix),
+            "idx_file": identity,
+            "split": name,
+            "begin": begin,
+            "end": end,
+            "seed": seed,
+            "seq_length": seq_length,
+            "num_samples": size,
         }
         cache = IndexCache(cache_dir, description, f"gpt-{name}", ("document_index", "sample_index", "shuffle_index"))
         documents = np.arange(begin, end, dtype=np.int32)
@@ -480,14 +517,21 @@ def build_gpt_datasets(
     prefixes, weights = blending.parse_data_prefix(data_prefix)
     if weights is None:
         indexed = _open_indexed_dataset(prefixes[0])
-        return tuple(_gpt_split_datasets(prefixes[0], indexed, split, seq_length, num_samples, seed, cache_dir,
-                                         eod_mask_token, vocab_size))
-    return tuple(_blended_datasets(prefixes, weights, split, seq_length, num_samples, seed, cache_dir, eod_mask_token,
-                                   vocab_size))
+        return tuple(
+            _gpt_split_datasets(
+                prefixes[0], indexed, split, seq_length, num_samples, seed, cache_dir, eod_mask_token, vocab_size
+            )
+        )
+    return tuple(
+        _blended_datasets(
+            prefixes, weights, split, seq_length, num_samples, seed, cache_dir, eod_mask_token, vocab_size
+        )
+    )
 
 
-def _blended_datasets(prefixes, weights, split, seq_length, num_samples, seed, cache_dir, eod_mask_token,
-                      vocab_size=None):
+def _blended_datasets(
+    prefixes, weights, split, seq_length, num_samples, seed, cache_dir, eod_mask_token, vocab_size=None
+):
     if any(n is None for n in num_samples):
         raise GPTDatasetError(f"a weighted blend needs a sample count for every split, got {num_samples!r}")
     normalized = blending.normalize(weights)
@@ -497,8 +541,9 @@ def _blended_datasets(prefixes, weights, split, seq_length, num_samples, seed, c
     for d, prefix in enumerate(prefixes):
         indexed = _open_indexed_dataset(prefix)
         sizes = [buffers[i][d] for i in range(3)]
-        components.append(_gpt_split_datasets(prefix, indexed, split, seq_length, sizes, seed, cache_dir,
-                                              eod_mask_token, vocab_size))
+        components.append(
+            _gpt_split_datasets(prefix, indexed, split, seq_length, sizes, seed, cache_dir, eod_mask_token, vocab_size)
+        )
     blend_weights = blending.normalize(normalized)  # megatron-core normalizes again inside BlendedDataset
     out = []
     for i, name in enumerate(SPLIT_NAMES):
@@ -508,8 +553,12 @@ def _blended_datasets(prefixes, weights, split, seq_length, num_samples, seed, c
             continue
         size = sum(targets[i])
         description = {
-            "format": INDEX_FORMAT_VERSION, "class": "BlendedDataset", "split": name, "size": size,
-            "weights": blend_weights, "component_cache_keys": [part.cache_key for part in parts],
+            "format": INDEX_FORMAT_VERSION,
+            "class": "BlendedDataset",
+            "split": name,
+            "size": size,
+            "weights": blend_weights,
+            "component_cache_keys": [part.cache_key for part in parts],
         }
         cache = IndexCache(cache_dir, description, f"blend-{name}", ("dataset_index", "dataset_sample_index"))
 

@@ -13,7 +13,9 @@ def hub_commit(repo_id: str, revision: str, repo_type: str) -> str:
 
         info = (HfApi().dataset_info if repo_type == "dataset" else HfApi().model_info)(repo_id, revision=revision)
     except Exception as exc:  # noqa: BLE001 - any Hub failure means the same thing to the user
-        raise UserError(f"cannot resolve {repo_type} {repo_id}@{revision} on the Hugging Face Hub "
-                        f"({type(exc).__name__}); without internet use local files "
-                        "(see the recipe's sources)") from None
+        raise UserError(
+            f"cannot resolve {repo_type} {repo_id}@{revision} on the Hugging Face Hub "
+            f"({type(exc).__name__}); without internet use local files "
+            "(see the recipe's sources)"
+        ) from None
     return info.sha

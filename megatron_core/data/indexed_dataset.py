@@ -303,12 +303,19 @@ def check_index(index: _Index, prefix: str, bin_size: int) -> None:
     wrong = np.flatnonzero(pointers != expected)
     if len(wrong):
         i = int(wrong[0])
-        raise UserError(f"{where} is damaged: sequence {i} points at byte {int(pointers[i])}, its position in the "
-                        f".bin is byte {int(expected[i])}; {fix}")
-    if (len(documents) == 0 or documents[0] != 0 or documents[-1] != len(lengths)
-            or (len(documents) > 1 and np.diff(documents).min() < 0)):
-        raise UserError(f"{where} is damaged: its document boundaries do not rise from 0 to its {len(lengths)} "
-                        f"sequences; {fix}")
+        raise UserError(
+            f"{where} is damaged: sequence {i} points at byte {int(pointers[i])}, its position in the "
+            f".bin is byte {int(expected[i])}; {fix}"
+        )
+    if (
+        len(documents) == 0
+        or documents[0] != 0
+        or documents[-1] != len(lengths)
+        or (len(documents) > 1 and np.diff(documents).min() < 0)
+    ):
+        raise UserError(
+            f"{where} is damaged: its document boundaries do not rise from 0 to its {len(lengths)} sequences; {fix}"
+        )
     needed = int(lengths.sum()) * itemsize
     if bin_size != needed:
         what = "truncated" if bin_size < needed else "longer than its index says"
@@ -341,8 +348,7 @@ class IndexedDataset:
         elif (impl == "mmap") != (found == "mmap"):
             wanted = "MMIDIDX" if impl == "mmap" else "TNTIDX"
             raise UserError(
-                f"{idx_path(self.path_prefix)} is not a {wanted} index as dataset impl {impl!r} needs; "
-                "use impl 'infer'"
+                f"{idx_path(self.path_prefix)} is not a {wanted} index as dataset impl {impl!r} needs; use impl 'infer'"
             )
         self.impl = impl
         path = idx_path(self.path_prefix)

@@ -53,17 +53,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--vocab-file", required=True)
     g.add_argument("--merge-file", required=True)
     g.add_argument("--append-eod", action="store_true", help="append the EOD token to every document")
-    g.add_argument("--lang", default="english",
-                   help="accepted for Megatron compatibility (punkt is trained on the input)")
+    g.add_argument(
+        "--lang", default="english", help="accepted for Megatron compatibility (punkt is trained on the input)"
+    )
     g.add_argument("--tokenizer-engine", default="auto", choices=ENGINES)
     g = p.add_argument_group("output data")
     g.add_argument("--output-prefix", required=True)
     g.add_argument("--dataset-impl", default="mmap", choices=IMPLS)
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int, default=1)
-    g.add_argument("--partitions", type=int, default=1,
-                   help="accepted for Megatron compatibility: its partitions only split the work, the output is "
-                        "the same; here the --workers share one ordered stream")
+    g.add_argument(
+        "--partitions",
+        type=int,
+        default=1,
+        help="accepted for Megatron compatibility: its partitions only split the work, the output is "
+        "the same; here the --workers share one ordered stream",
+    )
     g.add_argument("--log-interval", type=int, default=1000)
     return p
 
@@ -193,8 +198,9 @@ class _Encoder:
             encoded = {}
             for key in self.keys:
                 if key not in doc:
-                    out.append(("error", number,
-                                f"has no key {key!r} (keys: {', '.join(map(str, doc))}); set --json-keys"))
+                    out.append(
+                        ("error", number, f"has no key {key!r} (keys: {', '.join(map(str, doc))}); set --json-keys")
+                    )
                     break
                 encoded[key] = self._encode_text(doc[key], key)
                 if isinstance(encoded[key], str):
@@ -216,8 +222,10 @@ class _Encoder:
                 try:
                     sentence.encode("utf-8")
                 except UnicodeEncodeError as exc:  # json.loads lets "\ud800" through; it is not text
-                    return (f"key {key!r} holds a lone surrogate (U+{ord(sentence[exc.start]):04X} at character "
-                            f"{exc.start}), which is not Unicode text; fix its JSON escape (they come in pairs)")
+                    return (
+                        f"key {key!r} holds a lone surrogate (U+{ord(sentence[exc.start]):04X} at character "
+                        f"{exc.start}), which is not Unicode text; fix its JSON escape (they come in pairs)"
+                    )
         # Sentences with no tokens are dropped; the EOD ends the last sentence of a document
         # that has any token.
         arrays = [a for a in map(self.tokenizer.encode_array, sentences) if a.size]
@@ -314,8 +322,9 @@ def preprocess(args: argparse.Namespace) -> dict:
     level = "sentence" if args.split_sentences else "document"
     Path(args.output_prefix).parent.mkdir(parents=True, exist_ok=True)
     prefixes = {key: f"{args.output_prefix}_{key}_{level}" for key in args.json_keys}
-    builders = {key: IndexedDatasetBuilder(f"{p}.bin", dtype=dtype, impl=args.dataset_impl)
-                for key, p in prefixes.items()}
+    builders = {
+        key: IndexedDatasetBuilder(f"{p}.bin", dtype=dtype, impl=args.dataset_impl) for key, p in prefixes.items()
+    }
     progress = _Progress(args.log_interval)
     cpu_start = _cpu_seconds()
     empty = {key: 0 for key in args.json_keys}

@@ -69,6 +69,7 @@ def file_sha256(path) -> str:
             digest.update(block)
     return digest.hexdigest()
 
+
 # Files: reading and checking
 
 
@@ -100,8 +101,9 @@ def _read_merges(merge_file) -> list[tuple[int, str, str]]:
             continue
         parts = line.split(" ")
         if len(parts) != 2 or not all(parts):
-            raise UserError(f"{merge_file} line {number}: {line!r} is not a merge ('left right'); "
-                            "fix or regenerate the file")
+            raise UserError(
+                f"{merge_file} line {number}: {line!r} is not a merge ('left right'); fix or regenerate the file"
+            )
         merges.append((number, parts[0], parts[1]))
     return merges
 
@@ -116,17 +118,23 @@ def _check_tokenizer(vocab: dict, merges: list, vocab_file, merge_file) -> None:
     u2b = _unicode_to_bytes()
     bad = next((t for t in vocab if t != EOD_TOKEN and not u2b.keys() >= set(t)), None)
     if bad is not None:
-        raise UserError(f"{vocab_file}: entry {bad!r} is not in GPT-2's byte-level alphabet; "
-                        "the files must be a byte-level BPE (GPT-2 format)")
+        raise UserError(
+            f"{vocab_file}: entry {bad!r} is not in GPT-2's byte-level alphabet; "
+            "the files must be a byte-level BPE (GPT-2 format)"
+        )
     for number, left, right in merges:
         for piece in (left, right, left + right):
             if piece not in vocab:
-                raise UserError(f"{merge_file} line {number} ({left} {right}): {piece!r} is not in {vocab_file}; "
-                                "vocab.json and merges.txt do not belong together, use the pair one training wrote")
+                raise UserError(
+                    f"{merge_file} line {number} ({left} {right}): {piece!r} is not in {vocab_file}; "
+                    "vocab.json and merges.txt do not belong together, use the pair one training wrote"
+                )
     missing_bytes = [c for c in u2b if c not in vocab]
     if missing_bytes:
-        raise UserError(f"{vocab_file} lacks {len(missing_bytes)} of the 256 byte tokens (first {missing_bytes[0]!r}); "
-                        "a byte-level BPE needs all of them")
+        raise UserError(
+            f"{vocab_file} lacks {len(missing_bytes)} of the 256 byte tokens (first {missing_bytes[0]!r}); "
+            "a byte-level BPE needs all of them"
+        )
     if EOD_TOKEN not in vocab:
         raise UserError(f"{vocab_file} has no {EOD_TOKEN} token; GPT-2 preprocessing needs it as the EOD id")
 
@@ -190,9 +198,12 @@ class _TiktokenEngine:
 
         # EOD is a special token that is never allowed (a literal <|endoftext|> stays text); with no
         # special token at all tiktoken's encode scans for an empty pattern and is slower.
-        self._encoding = tiktoken.Encoding("megatron-gpt2-bpe", pat_str=GPT2_SPLIT_PATTERN,
-                                           mergeable_ranks=_tiktoken_ranks(vocab, merges),
-                                           special_tokens={EOD_TOKEN: vocab[EOD_TOKEN]})
+        self._encoding = tiktoken.Encoding(
+            "megatron-gpt2-bpe",
+            pat_str=GPT2_SPLIT_PATTERN,
+            mergeable_ranks=_tiktoken_ranks(vocab, merges),
+            special_tokens={EOD_TOKEN: vocab[EOD_TOKEN]},
+        )
 
     def encode_array(self, text: str) -> np.ndarray:
         try:
@@ -228,8 +239,9 @@ class GPT2BPETokenizer:
             why = "requested" if engine != "auto" else "its ranks are the ids, merges in their order"
         except _EngineUnfit as exc:
             if engine == "tiktoken":
-                raise UserError(f"tokenizer engine tiktoken cannot represent these files: {exc}; "
-                                "use engine hf") from None
+                raise UserError(
+                    f"tokenizer engine tiktoken cannot represent these files: {exc}; use engine hf"
+                ) from None
             self.engine, why = _HFEngine(self.vocab, merges), f"tiktoken cannot represent these files: {exc}"
         self.eod: int = self.vocab[EOD_TOKEN]
         if not quiet:
@@ -268,8 +280,13 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, out_dir, min_freq
         raise UserError(f"tokenizer vocab_size {vocab_size} is too small; a byte-level BPE needs at least 257")
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[EOD_TOKEN],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=[EOD_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     seen = 0
 
     def counted():

@@ -1,30 +1,30 @@
 """Process start-up and data parallelism.
 
-    init_distributed(backend=None) -> DistributedInfo
-        Reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT),
-        picks NCCL when CUDA is available and gloo otherwise (or the given backend), sets the CUDA
-        device from the local rank, initializes the default process group and logs the choice.
-        Without WORLD_SIZE (a plain `python -m`) it returns a single-process DistributedInfo and
-        initializes nothing.
+init_distributed(backend=None) -> DistributedInfo
+    Reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT),
+    picks NCCL when CUDA is available and gloo otherwise (or the given backend), sets the CUDA
+    device from the local rank, initializes the default process group and logs the choice.
+    Without WORLD_SIZE (a plain `python -m`) it returns a single-process DistributedInfo and
+    initializes nothing.
 
-    destroy_distributed()
-        At exit, also after an error: the model-parallel groups and the default process group, when
-        init_distributed created it (a group the caller made is the caller's). Without it NCCL warns
-        at exit and some versions hang.
+destroy_distributed()
+    At exit, also after an error: the model-parallel groups and the default process group, when
+    init_distributed created it (a group the caller made is the caller's). Without it NCCL warns
+    at exit and some versions hang.
 
-    DistributedDataParallel(module, parallel, *, bucket_size=None, reduce_kind="all_reduce", grad_dtype=None)
-        Wraps a GPTModel or GPTModelChunks (at any DP size, as Megatron does: the wrapper owns the
-        main_grad buffers gradients accumulate in); see grad_sync.py for the bucketed, overlapped
-        reduction. It implements the model protocol (trainable.py: `module`, `chunks`,
-        zero_grad_buffer(), no_sync(), finish_grad_sync(), set_input_tensor(t)), which the schedules
-        call after the last backward; state_dict()/load_state_dict() are the module's own (checkpoint
-        keys do not change). Nothing else is forwarded: the inner model is `.module`.
+DistributedDataParallel(module, parallel, *, bucket_size=None, reduce_kind="all_reduce", grad_dtype=None)
+    Wraps a GPTModel or GPTModelChunks (at any DP size, as Megatron does: the wrapper owns the
+    main_grad buffers gradients accumulate in); see grad_sync.py for the bucketed, overlapped
+    reduction. It implements the model protocol (trainable.py: `module`, `chunks`,
+    zero_grad_buffer(), no_sync(), finish_grad_sync(), set_input_tensor(t)), which the schedules
+    call after the last backward; state_dict()/load_state_dict() are the module's own (checkpoint
+    keys do not change). Nothing else is forwarded: the inner model is `.module`.
 
-    LocalModel(module)
-        The same protocol for a model at DP = 1 without the wrapper (gradients in `.grad`; finishing
-        the sync is the sequence-parallel and tied-embedding sums on their own).
+LocalModel(module)
+    The same protocol for a model at DP = 1 without the wrapper (gradients in `.grad`; finishing
+    the sync is the sequence-parallel and tied-embedding sums on their own).
 
-    The distributed optimizer that shards over these buckets lives in megatron_core.optimizer.
+The distributed optimizer that shards over these buckets lives in megatron_core.optimizer.
 """
 
 from __future__ import annotations
@@ -75,8 +75,10 @@ def init_distributed(backend: Optional[str] = None, timeout_minutes: float = 30.
     device = torch.device("cpu")
     if cuda and backend == "nccl":
         if local_rank >= torch.cuda.device_count():
-            raise UserError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible; "
-                            "launch at most one process per GPU (--nproc-per-node)")
+            raise UserError(
+                f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible; "
+                "launch at most one process per GPU (--nproc-per-node)"
+            )
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     if dist.is_initialized():
@@ -86,15 +88,23 @@ def init_distributed(backend: Optional[str] = None, timeout_minutes: float = 30.
         return DistributedInfo(0, 1, 0, None, device)
     for name in ("MASTER_ADDR", "MASTER_PORT"):
         if name not in os.environ:
-            raise UserError(f"environment variable {name} is not set; start the job with torchrun "
-                            "(invoke train) rather than plain python")
-    dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(minutes=timeout_minutes),
-                            device_id=device if device.type == "cuda" else None)
+            raise UserError(
+                f"environment variable {name} is not set; start the job with torchrun "
+                "(invoke train) rather than plain python"
+            )
+    dist.init_process_group(
+        backend=backend,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(minutes=timeout_minutes),
+        device_id=device if device.type == "cuda" else None,
+    )
     _CREATED_PROCESS_GROUP = True
     if rank == 0:
-        _LOG.info(f"distributed: backend {backend}, world size {world_size}, "
-                  f"master {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
+        _LOG.info(
+            f"distributed: backend {backend}, world size {world_size}, "
+            f"master {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        )
     return DistributedInfo(rank, world_size, local_rank, backend, device)
 
 
@@ -112,14 +122,25 @@ def destroy_distributed() -> None:
 class DistributedDataParallel(torch.nn.Module):
     """A model replica whose gradients are averaged over its data-parallel group in buckets."""
 
-    def __init__(self, module: torch.nn.Module, parallel, *, bucket_size: Optional[int] = None,
-                 reduce_kind: ReduceKind = "all_reduce", grad_dtype: Optional[torch.dtype] = None):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        parallel,
+        *,
+        bucket_size: Optional[int] = None,
+        reduce_kind: ReduceKind = "all_reduce",
+        grad_dtype: Optional[torch.dtype] = None,
+    ):
         super().__init__()
         self.module = module
-        self.grad_sync = GradSync(list(module.parameters()),
-                                  bucket_size=bucket_size or parallel.ddp_bucket_size,
-                                  reduce_kind=reduce_kind, sequence_parallel=parallel.sequence_parallel,
-                                  shared_embedding_params=shared_embedding_parameters(module), grad_dtype=grad_dtype)
+        self.grad_sync = GradSync(
+            list(module.parameters()),
+            bucket_size=bucket_size or parallel.ddp_bucket_size,
+            reduce_kind=reduce_kind,
+            sequence_parallel=parallel.sequence_parallel,
+            shared_embedding_params=shared_embedding_parameters(module),
+            grad_dtype=grad_dtype,
+        )
         if ps.get_data_parallel_world_size() > 1:
             self._broadcast_params()
 

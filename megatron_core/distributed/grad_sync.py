@@ -79,7 +79,7 @@ def _allreduce_coalesced(grads: list[torch.Tensor], group) -> None:
     dist.all_reduce(flat, group=group)
     offset = 0
     for grad in grads:
-        grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
         offset += grad.numel()
 
 
@@ -103,8 +103,14 @@ class Bucket:
         return dp_rank * size, (dp_rank + 1) * size
 
 
-def build_buckets(params: list[torch.nn.Parameter], late_ids: set[int], bucket_size: int, pad_to: int,
-                  device: torch.device, grad_dtype: torch.dtype = torch.float32) -> list[Bucket]:
+def build_buckets(
+    params: list[torch.nn.Parameter],
+    late_ids: set[int],
+    bucket_size: int,
+    pad_to: int,
+    device: torch.device,
+    grad_dtype: torch.dtype = torch.float32,
+) -> list[Bucket]:
     """Ordinary parameters in reverse order cut into buckets of ~bucket_size elements, then the late ones."""
     buckets: list[Bucket] = []
 
@@ -116,8 +122,16 @@ def build_buckets(params: list[torch.nn.Parameter], late_ids: set[int], bucket_s
             offsets.append(total)
             total += param.numel()
         padded = -(-total // pad_to) * pad_to
-        buckets.append(Bucket(params=list(group), offsets=offsets, numel=total, padded_numel=padded, late=late,
-                              buffer=torch.zeros(padded, dtype=grad_dtype, device=device)))
+        buckets.append(
+            Bucket(
+                params=list(group),
+                offsets=offsets,
+                numel=total,
+                padded_numel=padded,
+                late=late,
+                buffer=torch.zeros(padded, dtype=grad_dtype, device=device),
+            )
+        )
 
     for late in (False, True):
         group, size = [], 0
@@ -136,9 +150,16 @@ def build_buckets(params: list[torch.nn.Parameter], late_ids: set[int], bucket_s
 class GradSync:
     """Hooks, buckets and the reductions of one model replica's parameters over its DP group."""
 
-    def __init__(self, params: list[torch.nn.Parameter], *, bucket_size: int, reduce_kind: ReduceKind,
-                 sequence_parallel: bool, shared_embedding_params: list[torch.nn.Parameter],
-                 grad_dtype: Optional[torch.dtype] = None):
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        *,
+        bucket_size: int,
+        reduce_kind: ReduceKind,
+        sequence_parallel: bool,
+        shared_embedding_params: list[torch.nn.Parameter],
+        grad_dtype: Optional[torch.dtype] = None,
+    ):
         self.params = [p for p in params if p.requires_grad]
         self.reduce_kind = reduce_kind
         self.group = ps.get_data_parallel_group()
@@ -156,7 +177,7 @@ class GradSync:
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         for bucket in self.buckets:
             for param, offset in zip(bucket.params, bucket.offsets):
-                param.main_grad = bucket.buffer[offset:offset + param.numel()].view_as(param)
+                param.main_grad = bucket.buffer[offset : offset + param.numel()].view_as(param)
         self.sync_enabled = True
         self.pending = False  # a backward produced gradients that are not reduced yet
         self.reduced = False  # the buffers hold a finished iteration's gradients (zeroed by the next backward)
@@ -205,8 +226,10 @@ class GradSync:
         self.pending = True
         bucket = self._bucket_of[id(param)]
         if bucket.launched:
-            raise RuntimeError("a parameter's gradient was accumulated again after its bucket was reduced "
-                               "(is a parameter used in two recompute segments?); this would lose gradient")
+            raise RuntimeError(
+                "a parameter's gradient was accumulated again after its bucket was reduced "
+                "(is a parameter used in two recompute segments?); this would lose gradient"
+            )
         if id(param) in self._unwritten:  # in the buffer's dtype, then free the micro batch's grad
             param.main_grad.copy_(param.grad)
             self._unwritten.discard(id(param))

@@ -91,8 +91,10 @@ class LocalModel(torch.nn.Module):
 
     def finish_grad_sync(self) -> None:
         if ps.get_data_parallel_world_size() > 1:
-            raise TypeError("data-parallel size > 1 but the model is not wrapped in "
-                            "megatron_core.distributed.DistributedDataParallel; its gradients would not be averaged")
+            raise TypeError(
+                "data-parallel size > 1 but the model is not wrapped in "
+                "megatron_core.distributed.DistributedDataParallel; its gradients would not be averaged"
+            )
         allreduce_sequence_parallel_grads(self.module.parameters())  # only those marked sequence_parallel
         allreduce_embedding_grads(shared_embedding_parameters(self.module))
 

@@ -22,20 +22,26 @@ def main(argv=None) -> int:
     parser.add_argument("--humaneval", action="store_true", default=None)
     parser.add_argument("--no-perplexity", dest="perplexity", action="store_false", default=None)
     parser.add_argument("--allow-code-execution", action="store_true")
-    parser.add_argument("--unsafe-weak-isolation", action="store_true",
-                        help="where namespaces are unavailable, run HumanEval samples with rlimits only")
+    parser.add_argument(
+        "--unsafe-weak-isolation",
+        action="store_true",
+        help="where namespaces are unavailable, run HumanEval samples with rlimits only",
+    )
     parser.add_argument("--num-samples", type=int)
     parser.add_argument("--temperature", type=float)
     parser.add_argument("--top-p", type=float)
     parser.add_argument("--max-new-tokens", type=int)
     parser.add_argument("--problems", type=int, help="first N HumanEval problems")
     parser.add_argument("--batch-size", type=int, default=8, help="perplexity sequences per batch")
-    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N | cuda:all (default: the GPU "
-                                                          "when there is one)")
-    parser.add_argument("--dtype", default="auto", help="auto | fp32 | fp16 | bf16 (default: the recipe's on a GPU, "
-                                                        "fp32 on a CPU)")
-    parser.add_argument("--generation-batch", type=int, help="HumanEval rows per batch (default: from GPU memory; "
-                                                             "16 on a CPU)")
+    parser.add_argument(
+        "--device", default="auto", help="auto | cpu | cuda | cuda:N | cuda:all (default: the GPU when there is one)"
+    )
+    parser.add_argument(
+        "--dtype", default="auto", help="auto | fp32 | fp16 | bf16 (default: the recipe's on a GPU, fp32 on a CPU)"
+    )
+    parser.add_argument(
+        "--generation-batch", type=int, help="HumanEval rows per batch (default: from GPU memory; 16 on a CPU)"
+    )
     parser.add_argument("--workers", type=int, help="sandboxed samples run at once (default: CPU count)")
     parser.add_argument("--max-batches", type=int, default=None, help="default: the recipe's eval_iters")
     ns = parser.parse_args(argv)
@@ -44,13 +50,27 @@ def main(argv=None) -> int:
         from megatron_core.evaluate.runner import evaluate
 
         recipe = load_recipe(ns.recipe, ns.overrides)
-        results = evaluate(recipe, ns.model, workdir=ns.workdir, out_dir=ns.out, perplexity=ns.perplexity,
-                           humaneval=ns.humaneval, allow_code_execution=ns.allow_code_execution,
-                           batch_size=ns.batch_size, max_batches=ns.max_batches, num_samples=ns.num_samples,
-                           temperature=ns.temperature, top_p=ns.top_p, max_new_tokens=ns.max_new_tokens,
-                           problems=ns.problems, device=ns.device, dtype=ns.dtype,
-                           generation_batch=ns.generation_batch, workers=ns.workers,
-                           unsafe_weak_isolation=ns.unsafe_weak_isolation)
+        results = evaluate(
+            recipe,
+            ns.model,
+            workdir=ns.workdir,
+            out_dir=ns.out,
+            perplexity=ns.perplexity,
+            humaneval=ns.humaneval,
+            allow_code_execution=ns.allow_code_execution,
+            batch_size=ns.batch_size,
+            max_batches=ns.max_batches,
+            num_samples=ns.num_samples,
+            temperature=ns.temperature,
+            top_p=ns.top_p,
+            max_new_tokens=ns.max_new_tokens,
+            problems=ns.problems,
+            device=ns.device,
+            dtype=ns.dtype,
+            generation_batch=ns.generation_batch,
+            workers=ns.workers,
+            unsafe_weak_isolation=ns.unsafe_weak_isolation,
+        )
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

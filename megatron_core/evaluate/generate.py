@@ -39,7 +39,7 @@ def sample_tokens(logits: torch.Tensor, cfg: SamplingConfig, uniforms: Optional[
     the sorted order: one sort, one softmax, one cumulative sum per step, no scatter back."""
     logits = logits.float()
     if cfg.vocab_limit is not None:
-        logits[:, cfg.vocab_limit:] = float("-inf")
+        logits[:, cfg.vocab_limit :] = float("-inf")
     if cfg.temperature <= 0:
         return logits.argmax(dim=-1)
     sorted_logits, order = (logits / cfg.temperature).sort(dim=-1, descending=True)
@@ -71,8 +71,11 @@ class _Samples:
             if self.cfg.eos_token_id is not None and t == self.cfg.eos_token_id:
                 continue
             self.tokens[row].append(t)
-            if self.decode is not None and self.cfg.stop_sequences and \
-                    truncate_at_stop(self.decode(self.tokens[row]), self.cfg.stop_sequences)[1]:
+            if (
+                self.decode is not None
+                and self.cfg.stop_sequences
+                and truncate_at_stop(self.decode(self.tokens[row]), self.cfg.stop_sequences)[1]
+            ):
                 continue
             going.append(position)
         return going
@@ -89,9 +92,14 @@ def _uniforms(uniforms: Optional[torch.Tensor], rows: int, cfg: SamplingConfig) 
 
 
 @torch.no_grad()
-def generate(model_fn: Callable[[torch.Tensor], torch.Tensor], prompt_ids: Sequence[int], cfg: SamplingConfig,
-             num_samples: int = 1, decode: Optional[Callable[[list], str]] = None,
-             uniforms: Optional[torch.Tensor] = None) -> list[list[int]]:
+def generate(
+    model_fn: Callable[[torch.Tensor], torch.Tensor],
+    prompt_ids: Sequence[int],
+    cfg: SamplingConfig,
+    num_samples: int = 1,
+    decode: Optional[Callable[[list], str]] = None,
+    uniforms: Optional[torch.Tensor] = None,
+) -> list[list[int]]:
     """`num_samples` continuations of one prompt by full recompute, each cut at EOS; with `decode` and
     stop sequences, a sample stops growing once its decoded text holds a stop sequence (the caller
     cuts the text with truncate_at_stop). `uniforms` [num_samples, max_new_tokens] drive sampling."""
@@ -100,7 +108,7 @@ def generate(model_fn: Callable[[torch.Tensor], torch.Tensor], prompt_ids: Seque
     samples = _Samples(num_samples, cfg, decode)
     going = set(range(num_samples))
     for step in range(cfg.max_new_tokens):
-        context = ids if cfg.context_window is None else ids[:, -cfg.context_window:]
+        context = ids if cfg.context_window is None else ids[:, -cfg.context_window :]
         token = sample_tokens(model_fn(context)[:, -1, :], cfg, None if uniforms is None else uniforms[:, step])
         ids = torch.cat([ids, token[:, None]], dim=1)
         rows = sorted(going)
@@ -111,9 +119,14 @@ def generate(model_fn: Callable[[torch.Tensor], torch.Tensor], prompt_ids: Seque
 
 
 @torch.no_grad()
-def generate_cached(model, prompts: Sequence[Sequence[int]], counts: Sequence[int], cfg: SamplingConfig,
-                    decode: Optional[Callable[[list], str]] = None,
-                    uniforms: Optional[torch.Tensor] = None) -> list[list[int]]:
+def generate_cached(
+    model,
+    prompts: Sequence[Sequence[int]],
+    counts: Sequence[int],
+    cfg: SamplingConfig,
+    decode: Optional[Callable[[list], str]] = None,
+    uniforms: Optional[torch.Tensor] = None,
+) -> list[list[int]]:
     """`counts[i]` samples of `prompts[i]` (token ids), in one batch through `model`'s KV cache.
     Rows come back prompt by prompt; `uniforms` [sum(counts), max_new_tokens] drive sampling.
     The caller keeps len(prompt) + max_new_tokens within the model's positions."""
@@ -125,8 +138,8 @@ def generate_cached(model, prompts: Sequence[Sequence[int]], counts: Sequence[in
     ids = torch.zeros((len(prompts), width), dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for i, p in enumerate(prompts):  # left padding: every prompt ends at the last column
-        ids[i, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.as_tensor(list(p), dtype=torch.long)
+        mask[i, width - len(p) :] = 1
     ids, mask = ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
@@ -147,7 +160,6 @@ def generate_cached(model, prompts: Sequence[Sequence[int]], counts: Sequence[in
             cache.batch_select_indices(keep)
             rows, token, mask, position = rows[keep], token[keep], mask[keep], position[keep]
         mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)
-        out = model(input_ids=token[:, None], attention_mask=mask, position_ids=position, cache=cache,
-                    use_cache=True)
+        out = model(input_ids=token[:, None], attention_mask=mask, position_ids=position, cache=cache, use_cache=True)
         cache, logits, position = out.cache, out.logits[:, -1], position + 1
     return samples.tokens

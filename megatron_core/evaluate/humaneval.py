@@ -48,10 +48,16 @@ class HumanEvalSettings:
     @classmethod
     def from_recipe(cls, evaluate_config, **overrides) -> "HumanEvalSettings":
         e = evaluate_config
-        values = dict(num_samples=e.humaneval_num_samples, temperature=e.humaneval_temperature,
-                      top_p=e.humaneval_top_p, max_new_tokens=e.humaneval_max_new_tokens,
-                      timeout_s=e.humaneval_timeout_s, problems=e.humaneval_problems, k=list(e.humaneval_k),
-                      memory_mb=e.humaneval_memory_mb)
+        values = dict(
+            num_samples=e.humaneval_num_samples,
+            temperature=e.humaneval_temperature,
+            top_p=e.humaneval_top_p,
+            max_new_tokens=e.humaneval_max_new_tokens,
+            timeout_s=e.humaneval_timeout_s,
+            problems=e.humaneval_problems,
+            k=list(e.humaneval_k),
+            memory_mb=e.humaneval_memory_mb,
+        )
         if e.humaneval_stop_sequences is not None:
             values["stop_sequences"] = tuple(e.humaneval_stop_sequences)
         values.update({k: v for k, v in overrides.items() if v is not None})
@@ -59,9 +65,11 @@ class HumanEvalSettings:
 
     def check(self) -> None:
         if self.num_samples < max(self.k):
-            raise UserError(f"--num-samples {self.num_samples} is smaller than the largest k of pass@k "
-                            f"({max(self.k)}, evaluate.humaneval_k {list(self.k)}): raise --num-samples to "
-                            f"{max(self.k)} or set evaluate.humaneval_k to values <= {self.num_samples}")
+            raise UserError(
+                f"--num-samples {self.num_samples} is smaller than the largest k of pass@k "
+                f"({max(self.k)}, evaluate.humaneval_k {list(self.k)}): raise --num-samples to "
+                f"{max(self.k)} or set evaluate.humaneval_k to values <= {self.num_samples}"
+            )
 
     def key(self) -> str:
         blob = json.dumps({**asdict(self), "k": None}, sort_keys=True, default=list)  # k does not change samples
@@ -142,8 +150,9 @@ while True:
 """
 
 # Exception names a sample may put in a detail: Python's own (anything else reads "an exception").
-_EXCEPTION_NAMES = frozenset(n for n, v in vars(builtins).items()
-                             if isinstance(v, type) and issubclass(v, BaseException))
+_EXCEPTION_NAMES = frozenset(
+    n for n, v in vars(builtins).items() if isinstance(v, type) and issubclass(v, BaseException)
+)
 _DETAIL_CHARS = 200
 
 
@@ -191,6 +200,7 @@ class _Candidate:
 
 def _literal(text: str):
     """A value from its repr: only literals, inf/nan and set()/frozenset(...) (ast.literal_eval lacks the last)."""
+
     def build(node):
         if isinstance(node, ast.Constant) and type(node.value) in (int, float, bool, str, type(None)):
             return node.value
@@ -205,8 +215,13 @@ def _literal(text: str):
             return {ast.List: list, ast.Tuple: tuple, ast.Set: set}[type(node)](items)
         if isinstance(node, ast.Dict) and None not in node.keys:
             return {build(k): build(v) for k, v in zip(node.keys, node.values)}
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("set", "frozenset")
-                and len(node.args) <= 1 and not node.keywords):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("set", "frozenset")
+            and len(node.args) <= 1
+            and not node.keywords
+        ):
             return {"set": set, "frozenset": frozenset}[node.func.id](build(node.args[0]) if node.args else ())
         raise ValueError("not a plain value")
 
@@ -229,13 +244,16 @@ def sandbox_is_weak(unsafe_weak_isolation: bool) -> bool:
         return False
     if unsafe_weak_isolation:
         return True
-    raise UserError(f"--allow-code-execution: HumanEval's sandbox cannot isolate samples on this machine (missing: "
-                    f"{problem}); run it where user namespaces work (README: HumanEval), or add "
-                    f"--unsafe-weak-isolation to run model-written code with rlimits only, knowingly")
+    raise UserError(
+        f"--allow-code-execution: HumanEval's sandbox cannot isolate samples on this machine (missing: "
+        f"{problem}); run it where user namespaces work (README: HumanEval), or add "
+        f"--unsafe-weak-isolation to run model-written code with rlimits only, knowingly"
+    )
 
 
-def check_completion(problem: dict, completion: str, timeout_s: float = 3.0, memory_mb: int = 1024,
-                     unsafe_weak_isolation: bool = False) -> sandbox.SandboxResult:
+def check_completion(
+    problem: dict, completion: str, timeout_s: float = 3.0, memory_mb: int = 1024, unsafe_weak_isolation: bool = False
+) -> sandbox.SandboxResult:
     """Passed only when the test's `check(candidate)` ran to its end here, in the evaluator, each call of the
     candidate answered by the sandboxed program; its exit code and output decide nothing."""
     weak = sandbox_is_weak(unsafe_weak_isolation)
@@ -269,8 +287,17 @@ def check_completion(problem: dict, completion: str, timeout_s: float = 3.0, mem
 
 
 def _record_key(problem: dict, completions: list[str], statuses: list[str], settings_key: str) -> str:
-    blob = json.dumps([problem["task_id"], problem["prompt"], problem["test"], problem["entry_point"], completions,
-                       statuses, settings_key])
+    blob = json.dumps(
+        [
+            problem["task_id"],
+            problem["prompt"],
+            problem["test"],
+            problem["entry_point"],
+            completions,
+            statuses,
+            settings_key,
+        ]
+    )
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -283,8 +310,9 @@ def _read_cache(path: Path, problems: list[dict], settings_key: str) -> dict:
             try:
                 record = json.loads(line)
                 problem = by_id[record["task_id"]]
-                ok = (record["key"] == _record_key(problem, record["completions"], record["statuses"], settings_key)
-                      and record["passed"] == record["statuses"].count(sandbox.PASSED))
+                ok = record["key"] == _record_key(
+                    problem, record["completions"], record["statuses"], settings_key
+                ) and record["passed"] == record["statuses"].count(sandbox.PASSED)
             except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
                 continue
             if ok:
@@ -299,8 +327,10 @@ class _Progress:
         self.settings, self.todo = settings, total - done
         self.new_tokens, self.samples, self.seconds, self.estimated = 0, 0, 0.0, False
         n, t = settings.num_samples, settings.max_new_tokens
-        _LOG.info(f"humaneval: {self.todo} problems to generate: {self.todo * n} samples, at most "
-                  f"{self.todo * n * t:,} new tokens ({t} per sample; stop sequences end most earlier)")
+        _LOG.info(
+            f"humaneval: {self.todo} problems to generate: {self.todo * n} samples, at most "
+            f"{self.todo * n * t:,} new tokens ({t} per sample; stop sequences end most earlier)"
+        )
         self.bar = tqdm(total=total, initial=done, desc="humaneval", unit="problem", mininterval=2.0)
 
     def generated(self, problems: int, new_tokens: int, seconds: float) -> None:
@@ -312,17 +342,27 @@ class _Progress:
         left = self.todo * self.settings.num_samples - self.samples
         if not self.estimated and left > 0 and (self.seconds >= 10 or self.samples >= 4 * self.settings.num_samples):
             self.estimated = True
-            self.bar.write(f"humaneval: estimate {_duration(left / rate)} more for {left} samples at "
-                           f"{rate:.1f} samples/s ({self.new_tokens / self.seconds:.0f} tokens/s so far)")
+            self.bar.write(
+                f"humaneval: estimate {_duration(left / rate)} more for {left} samples at "
+                f"{rate:.1f} samples/s ({self.new_tokens / self.seconds:.0f} tokens/s so far)"
+            )
 
     def summary(self) -> dict:
-        return {"new_tokens": self.new_tokens, "seconds": round(self.seconds, 3),
-                "tokens_per_s": self.new_tokens / self.seconds if self.seconds else None}
+        return {
+            "new_tokens": self.new_tokens,
+            "seconds": round(self.seconds, 3),
+            "tokens_per_s": self.new_tokens / self.seconds if self.seconds else None,
+        }
 
 
 def _duration(seconds: float) -> str:
-    return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{seconds / 60:.1f} min" if seconds >= 90 \
+    return (
+        f"{seconds / 3600:.1f} h"
+        if seconds >= 5400
+        else f"{seconds / 60:.1f} min"
+        if seconds >= 90
         else f"{seconds:.0f} s"
+    )
 
 
 def evaluate_humaneval(
@@ -342,8 +382,10 @@ def evaluate_humaneval(
     cache holds), so a resumed run asks for exactly what an uninterrupted one did. Returns pass@k, the
     per-problem pass counts, the settings, and how fast generation went."""
     if not allow_code_execution:
-        raise UserError("HumanEval runs model-written code; pass allow_code_execution=True "
-                        "(--allow-code-execution) to allow it, ideally inside a container")
+        raise UserError(
+            "HumanEval runs model-written code; pass allow_code_execution=True "
+            "(--allow-code-execution) to allow it, ideally inside a container"
+        )
     settings.check()
     weak = sandbox_is_weak(unsafe_weak_isolation)
     problems = problems if problems is not None else load_problems(settings.problems)
@@ -352,9 +394,11 @@ def evaluate_humaneval(
     # Weak isolation runs samples as this user: they could have rewritten the cache, so nothing is resumed from it.
     done = {} if weak else _read_cache(cache, problems, settings.key())
     workers = workers or os.cpu_count() or 1
-    _LOG.info(f"humaneval: {len(problems)} problems x {settings.num_samples} samples, T={settings.temperature}, "
-              f"top-p {settings.top_p}; {sum(p['task_id'] in done for p in problems)} cached in {cache}; "
-              f"{workers} sandbox workers; {sandbox.describe(weak)}")
+    _LOG.info(
+        f"humaneval: {len(problems)} problems x {settings.num_samples} samples, T={settings.temperature}, "
+        f"top-p {settings.top_p}; {sum(p['task_id'] in done for p in problems)} cached in {cache}; "
+        f"{workers} sandbox workers; {sandbox.describe(weak)}"
+    )
     progress = _Progress(len(problems), sum(p["task_id"] in done for p in problems), settings)
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sandbox")
     running: list[tuple[dict, list[str], list[Future]]] = []
@@ -363,7 +407,7 @@ def evaluate_humaneval(
         with open(os.open(cache, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "a") as out:
             try:
                 for first in range(0, len(problems), problems_per_call):
-                    pack = problems[first:first + problems_per_call]
+                    pack = problems[first : first + problems_per_call]
                     if all(p["task_id"] in done for p in pack):
                         continue
                     start = time.perf_counter()
@@ -372,9 +416,18 @@ def evaluate_humaneval(
                     for problem, raw in zip(pack, generated):
                         if problem["task_id"] not in done:
                             completions = [truncate_at_stop(c, settings.stop_sequences)[0] for c in raw]
-                            running.append((problem, completions, [
-                                pool.submit(check_completion, problem, c, settings.timeout_s, settings.memory_mb, weak)
-                                for c in completions]))
+                            running.append(
+                                (
+                                    problem,
+                                    completions,
+                                    [
+                                        pool.submit(
+                                            check_completion, problem, c, settings.timeout_s, settings.memory_mb, weak
+                                        )
+                                        for c in completions
+                                    ],
+                                )
+                            )
                     running = _record_finished(running, out, done, progress.bar, settings.key())
                 wait([f for _, _, futures in running for f in futures])
             finally:  # on an interruption, too: what was generated and has run is kept, the rest cancelled
@@ -405,9 +458,13 @@ def _record_finished(running: list, out, done: dict, bar, settings_key: str) -> 
             still.append((problem, completions, futures))
             continue
         statuses = [f.result().status for f in futures]
-        record = {"task_id": problem["task_id"], "passed": statuses.count(sandbox.PASSED),
-                  "statuses": statuses, "completions": completions,
-                  "key": _record_key(problem, completions, statuses, settings_key)}
+        record = {
+            "task_id": problem["task_id"],
+            "passed": statuses.count(sandbox.PASSED),
+            "statuses": statuses,
+            "completions": completions,
+            "key": _record_key(problem, completions, statuses, settings_key),
+        }
         out.write(json.dumps(record) + "\n")
         out.flush()
         os.fsync(out.fileno())

@@ -14,8 +14,13 @@ from tqdm import tqdm
 
 
 @torch.no_grad()
-def evaluate_perplexity(model_fn: Callable[[torch.Tensor], torch.Tensor], dataset, batch_size: int = 8,
-                        max_batches: Optional[int] = None, desc: str = "perplexity") -> dict:
+def evaluate_perplexity(
+    model_fn: Callable[[torch.Tensor], torch.Tensor],
+    dataset,
+    batch_size: int = 8,
+    max_batches: Optional[int] = None,
+    desc: str = "perplexity",
+) -> dict:
     """`dataset` items are dicts with `tokens`, `labels` and optionally `loss_mask` (GPTDataset);
     `model_fn(tokens [b, s] on the CPU) -> logits [b, s, V]` on any device. Loss is summed in float64
     over unmasked tokens, so batch size does not change the result."""
@@ -28,8 +33,11 @@ def evaluate_perplexity(model_fn: Callable[[torch.Tensor], torch.Tensor], datase
         items = [dataset[i] for i in range(b * batch_size, min(n, (b + 1) * batch_size))]
         tokens = torch.stack([torch.as_tensor(x["tokens"]) for x in items]).long()
         labels = torch.stack([torch.as_tensor(x["labels"]) for x in items]).long()
-        mask = torch.stack([torch.as_tensor(x["loss_mask"]) for x in items]).double() if "loss_mask" in items[0] \
+        mask = (
+            torch.stack([torch.as_tensor(x["loss_mask"]) for x in items]).double()
+            if "loss_mask" in items[0]
             else torch.ones(labels.shape, dtype=torch.float64)
+        )
         logits = model_fn(tokens).float()
         labels, mask = labels.to(logits.device), mask.to(logits.device)
         losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")

@@ -54,8 +54,10 @@ def resolve_placement(recipe, device: str = "auto", dtype: str = "auto") -> Plac
         elif index.isdigit() and int(index) < gpus:
             placement_device, device_map = torch.device(f"cuda:{index}"), None
         else:
-            raise UserError(f"--device {device}: this machine has {gpus} GPU(s), cuda:0..cuda:{gpus - 1}; "
-                            f"use one of those or cuda:all")
+            raise UserError(
+                f"--device {device}: this machine has {gpus} GPU(s), cuda:0..cuda:{gpus - 1}; "
+                f"use one of those or cuda:all"
+            )
     else:
         raise UserError(f"--device {device!r} is not a device; use one of {DEVICES_HELP}")
     dtype = dtype or "auto"

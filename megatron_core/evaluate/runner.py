@@ -88,51 +88,74 @@ def _tokenizer_for_checkpoint(path: Path, args):
         return _tokenizer_from_dir(Path(tmp))
 
 
-def _gpt2_in_memory(state: dict, shape: ModelSpec, args, eod_id: Optional[int], placement: Placement,
-                    attn_implementation: str):
+def _gpt2_in_memory(
+    state: dict, shape: ModelSpec, args, eod_id: Optional[int], placement: Placement, attn_implementation: str
+):
     """Our merged Megatron state as a GPT2LMHeadModel (the mapping `invoke convert` writes), nothing on disk."""
     if placement.device_map:
-        raise UserError("--device cuda:all spreads a Hugging Face model dir; a checkpoint of this size runs on "
-                        "one GPU: use --device cuda (or convert it first with invoke convert)")
+        raise UserError(
+            "--device cuda:all spreads a Hugging Face model dir; a checkpoint of this size runs on "
+            "one GPU: use --device cuda (or convert it first with invoke convert)"
+        )
     return gpt2_model(state, shape, eod_id, args, attn_implementation).to(placement.device, placement.dtype)
 
 
-def load_for_evaluation(model, tokenizer=None, placement: Placement = CPU,
-                        attn_implementation: str = "sdpa") -> LoadedModel:
+def load_for_evaluation(
+    model, tokenizer=None, placement: Placement = CPU, attn_implementation: str = "sdpa"
+) -> LoadedModel:
     if isinstance(model, torch.nn.Module):
         if tokenizer is None:
             raise UserError("evaluating a loaded model needs its tokenizer (tokenizer=...)")
         if not hasattr(model, "generation_config"):
-            raise UserError(f"{type(model).__name__} is not a transformers causal LM; pass a converted hf/ dir, "
-                            "a checkpoints/ dir, or a model from AutoModelForCausalLM")
-        return LoadedModel(model.to(placement.device, placement.dtype), tokenizer, _state_hash(model.state_dict()),
-                           type(model).__name__, placement)
+            raise UserError(
+                f"{type(model).__name__} is not a transformers causal LM; pass a converted hf/ dir, "
+                "a checkpoints/ dir, or a model from AutoModelForCausalLM"
+            )
+        return LoadedModel(
+            model.to(placement.device, placement.dtype),
+            tokenizer,
+            _state_hash(model.state_dict()),
+            type(model).__name__,
+            placement,
+        )
     path = Path(model)
     if (path / TRACKER_FILENAME).exists():
         ckpt = read_checkpoint(path)
         tok = tokenizer or _tokenizer_for_checkpoint(path, ckpt.args)
         hf = _gpt2_in_memory(ckpt.state, ckpt.spec, ckpt.args, eod_id_of(tok), placement, attn_implementation)
-        loaded = LoadedModel(hf, tok, f"{ckpt.recipe_hash}-it{ckpt.iteration}-{_state_hash(ckpt.state)}",
-                             f"GPTModel from {path} (converted in memory, {attn_implementation})", placement)
+        loaded = LoadedModel(
+            hf,
+            tok,
+            f"{ckpt.recipe_hash}-it{ckpt.iteration}-{_state_hash(ckpt.state)}",
+            f"GPTModel from {path} (converted in memory, {attn_implementation})",
+            placement,
+        )
         loaded.path, loaded.iteration = str(path.resolve()), ckpt.iteration
         return loaded
     if (path / "config.json").exists():
         from transformers import AutoModelForCausalLM
 
         try:
-            hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=placement.dtype, device_map=placement.device_map,
-                                                      attn_implementation=attn_implementation)
+            hf = AutoModelForCausalLM.from_pretrained(
+                str(path),
+                dtype=placement.dtype,
+                device_map=placement.device_map,
+                attn_implementation=attn_implementation,
+            )
         except (OSError, ValueError) as exc:
             raise UserError(f"{path} has a config.json but no loadable model: {str(exc).splitlines()[0]}") from None
         if not placement.device_map:
             hf.to(placement.device)
         tok = tokenizer or _tokenizer_from_dir(path)
-        loaded = LoadedModel(hf, tok, hf_model_hash(path), f"{type(hf).__name__} from {path} ({attn_implementation})",
-                             placement)
+        loaded = LoadedModel(
+            hf, tok, hf_model_hash(path), f"{type(hf).__name__} from {path} ({attn_implementation})", placement
+        )
         loaded.path, loaded.iteration = str(path.resolve()), converted_iteration(path)
         return loaded
-    raise UserError(f"{path} is neither a Hugging Face model dir (config.json) nor a Megatron checkpoint "
-                    f"(latest_checkpointed_iteration.txt); pass --model the converted hf/ dir or the checkpoints/ dir")
+    raise UserError(
+        f"{path} is neither a Hugging Face model dir (config.json) nor a Megatron checkpoint "
+        f"(latest_checkpointed_iteration.txt); pass --model the converted hf/ dir or the checkpoints/ dir"
+    )
 
 
 def hf_model_hash(path: Path) -> str:
@@ -162,9 +185,14 @@ def recipe_datasets(recipe, workdir) -> dict:
     from megatron_core.data.gpt_dataset import build_gpt_datasets
 
     cache = Path(workdir) / "eval-index-cache"
-    _, valid, test = build_gpt_datasets(workflow.data_prefixes(recipe, workdir), split=recipe.data.split,
-                                        seq_length=recipe.model.seq_length, num_samples=(1, None, None),
-                                        seed=recipe.training.seed, cache_dir=str(cache))
+    _, valid, test = build_gpt_datasets(
+        workflow.data_prefixes(recipe, workdir),
+        split=recipe.data.split,
+        seq_length=recipe.model.seq_length,
+        num_samples=(1, None, None),
+        seed=recipe.training.seed,
+        cache_dir=str(cache),
+    )
     return {name: ds for name, ds in (("valid", valid), ("test", test)) if ds is not None}
 
 
@@ -175,16 +203,22 @@ def check_prompts(loaded: LoadedModel, problems: list[dict]) -> None:
     for problem in problems:
         try:
             ids = tok.encode(problem["prompt"])
-            why = ("encodes to nothing" if not ids else
-                   f"gives token id {max(ids)}, beyond the model's {loaded.vocab_size} embeddings"
-                   if max(ids) >= loaded.vocab_size else
-                   "does not decode back to itself (unknown characters?)"
-                   if tok.decode(ids) != problem["prompt"] else None)
+            why = (
+                "encodes to nothing"
+                if not ids
+                else f"gives token id {max(ids)}, beyond the model's {loaded.vocab_size} embeddings"
+                if max(ids) >= loaded.vocab_size
+                else "does not decode back to itself (unknown characters?)"
+                if tok.decode(ids) != problem["prompt"]
+                else None
+            )
         except Exception as exc:  # a tokenizer that raises on this text
             why = f"raises {type(exc).__name__}: {exc}"
         if why:
-            raise UserError(f"the tokenizer cannot encode the prompt of {problem['task_id']}: it {why}; evaluate "
-                            "with the tokenizer the model was trained with (vocab.json/merges.txt beside the model)")
+            raise UserError(
+                f"the tokenizer cannot encode the prompt of {problem['task_id']}: it {why}; evaluate "
+                "with the tokenizer the model was trained with (vocab.json/merges.txt beside the model)"
+            )
 
 
 def auto_batch(loaded: LoadedModel) -> int:
@@ -195,8 +229,9 @@ def auto_batch(loaded: LoadedModel) -> int:
         return 16
     config = loaded.model.config
     itemsize = torch.finfo(loaded.placement.dtype).bits // 8
-    per_row = (2 * config.num_hidden_layers * loaded.context_window * config.hidden_size * itemsize
-               + 48 * config.vocab_size)
+    per_row = (
+        2 * config.num_hidden_layers * loaded.context_window * config.hidden_size * itemsize + 48 * config.vocab_size
+    )
     free, _ = torch.cuda.mem_get_info(loaded.placement.device)
     return max(1, min(1024, int(free // 2 // per_row)))
 
@@ -211,11 +246,18 @@ class HumanEvalSampler:
         self.loaded, self.settings, self.batch = loaded, settings, batch
         self.max_prompt = loaded.context_window - settings.max_new_tokens
         if self.max_prompt < 1:
-            raise UserError(f"--max-new-tokens {settings.max_new_tokens} leaves no room for a prompt in the model's "
-                            f"{loaded.context_window} positions; use fewer")
-        self.cfg = SamplingConfig(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
-                                  top_p=settings.top_p, stop_sequences=settings.stop_sequences,
-                                  eos_token_id=eod_id_of(loaded.tokenizer), vocab_limit=len(loaded.tokenizer))
+            raise UserError(
+                f"--max-new-tokens {settings.max_new_tokens} leaves no room for a prompt in the model's "
+                f"{loaded.context_window} positions; use fewer"
+            )
+        self.cfg = SamplingConfig(
+            max_new_tokens=settings.max_new_tokens,
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            stop_sequences=settings.stop_sequences,
+            eos_token_id=eod_id_of(loaded.tokenizer),
+            vocab_limit=len(loaded.tokenizer),
+        )
 
     def uniforms(self, prompt: str, n: int) -> torch.Tensor:
         digest = hashlib.sha256(f"{self.settings.seed}:{prompt}".encode()).digest()
@@ -227,10 +269,12 @@ class HumanEvalSampler:
         ids = [tok.encode(p) for p in prompts]
         cut = sum(len(i) > self.max_prompt for i in ids)
         if cut:  # the model has no positions past its context window: long prompts keep their end
-            _LOG.info(f"humaneval: {cut} prompt(s) longer than {self.max_prompt} tokens keep their last "
-                      f"{self.max_prompt} (the model has {self.loaded.context_window} positions, "
-                      f"{self.settings.max_new_tokens} of them for new tokens)")
-        ids = [i[-self.max_prompt:] for i in ids]
+            _LOG.info(
+                f"humaneval: {cut} prompt(s) longer than {self.max_prompt} tokens keep their last "
+                f"{self.max_prompt} (the model has {self.loaded.context_window} positions, "
+                f"{self.settings.max_new_tokens} of them for new tokens)"
+            )
+        ids = [i[-self.max_prompt :] for i in ids]
         uniforms = torch.cat([self.uniforms(p, n) for p in prompts])
         owner = [i for i in range(len(prompts)) for _ in range(n)]  # the prompt of each row
         tokens: list[list[int]] = []
@@ -239,9 +283,14 @@ class HumanEvalSampler:
             chunk = owner[start:stop]
             members = sorted(set(chunk))
             try:
-                tokens += generate_cached(self.loaded.model, [ids[i] for i in members],
-                                          [chunk.count(i) for i in members], self.cfg, decode=tok.decode,
-                                          uniforms=uniforms[start:stop])
+                tokens += generate_cached(
+                    self.loaded.model,
+                    [ids[i] for i in members],
+                    [chunk.count(i) for i in members],
+                    self.cfg,
+                    decode=tok.decode,
+                    uniforms=uniforms[start:stop],
+                )
                 continue
             except torch.OutOfMemoryError:
                 if self.batch == 1:
@@ -251,29 +300,45 @@ class HumanEvalSampler:
             torch.cuda.empty_cache()
             _LOG.info(f"humaneval: out of GPU memory; generation batch now {self.batch} rows")
         texts = [tok.decode(t) for t in tokens]
-        return [texts[i * n:(i + 1) * n] for i in range(len(prompts))], sum(map(len, tokens))
+        return [texts[i * n : (i + 1) * n] for i in range(len(prompts))], sum(map(len, tokens))
 
 
 def markdown_table(results: dict, reference: dict) -> str:
     rows = ["| metric | ours | reference |", "|---|---|---|"]
-    metrics = ([k for k in results if k.startswith("pass@")]
-               + [f"{s}_{m}" for s in ("valid", "test") for m in ("loss", "ppl")])
+    metrics = [k for k in results if k.startswith("pass@")] + [
+        f"{s}_{m}" for s in ("valid", "test") for m in ("loss", "ppl")
+    ]
     for key in dict.fromkeys(metrics + list(reference)):
         ours = results.get(key)
         if ours is None:
             split, _, m = key.partition("_")
             ours = results.get("perplexity", {}).get(split, {}).get(m)
-        fmt = (lambda v: "-" if v is None else (f"{100 * v:.2f}%" if key.startswith("pass@") else f"{v:.4f}"))
+        fmt = lambda v: "-" if v is None else (f"{100 * v:.2f}%" if key.startswith("pass@") else f"{v:.4f}")
         rows.append(f"| {key} | {fmt(ours)} | {fmt(reference.get(key))} |")
     return "\n".join(rows) + "\n"
 
 
-def evaluate(recipe, model: Union[str, Path, torch.nn.Module], *, workdir=".", out_dir=None, tokenizer=None,
-             datasets: Optional[dict] = None, perplexity: Optional[bool] = None, humaneval: Optional[bool] = None,
-             allow_code_execution: bool = False, batch_size: int = 8, max_batches: Optional[int] = None,
-             attn_implementation: str = "sdpa", device: str = "auto", dtype: str = "auto",
-             generation_batch: Optional[int] = None, workers: Optional[int] = None,
-             unsafe_weak_isolation: bool = False, **humaneval_overrides) -> dict:
+def evaluate(
+    recipe,
+    model: Union[str, Path, torch.nn.Module],
+    *,
+    workdir=".",
+    out_dir=None,
+    tokenizer=None,
+    datasets: Optional[dict] = None,
+    perplexity: Optional[bool] = None,
+    humaneval: Optional[bool] = None,
+    allow_code_execution: bool = False,
+    batch_size: int = 8,
+    max_batches: Optional[int] = None,
+    attn_implementation: str = "sdpa",
+    device: str = "auto",
+    dtype: str = "auto",
+    generation_batch: Optional[int] = None,
+    workers: Optional[int] = None,
+    unsafe_weak_isolation: bool = False,
+    **humaneval_overrides,
+) -> dict:
     """Run what the recipe's `evaluate` section asks for (flags override it); returns the results. Every
     input is checked before the long steps start; evaluation.json appears only at the end."""
     e = recipe.evaluate
@@ -297,21 +362,35 @@ def evaluate(recipe, model: Union[str, Path, torch.nn.Module], *, workdir=".", o
     out_dir = Path(out_dir or Path(workdir) / "evaluation")
     out_dir.mkdir(parents=True, exist_ok=True)
     _LOG.info(f"evaluate: {loaded.description}, model hash {loaded.model_hash}")
-    results: dict = {"recipe": recipe.name, "recipe_hash": recipe.hash, "model": loaded.description,
-                     "model_hash": loaded.model_hash, "model_path": loaded.path,
-                     "checkpoint_iteration": loaded.iteration}
+    results: dict = {
+        "recipe": recipe.name,
+        "recipe_hash": recipe.hash,
+        "model": loaded.description,
+        "model_hash": loaded.model_hash,
+        "model_path": loaded.path,
+        "checkpoint_iteration": loaded.iteration,
+    }
     if do_ppl:
         datasets = datasets if datasets is not None else recipe_datasets(recipe, workdir)
         limit = max_batches if max_batches is not None else recipe.training.eval_iters
-        results["perplexity"] = {name: {**evaluate_perplexity(loaded.logits, ds, batch_size, limit, desc=name),
-                                        **placement.to_json()} for name, ds in datasets.items()}
+        results["perplexity"] = {
+            name: {**evaluate_perplexity(loaded.logits, ds, batch_size, limit, desc=name), **placement.to_json()}
+            for name, ds in datasets.items()
+        }
         for name, r in results["perplexity"].items():
             _LOG.info(f"evaluate: {name} loss {r['loss']:.6f} ppl {r['ppl']:.4f} over {r['tokens']} tokens")
     if do_he:
-        he = evaluate_humaneval(sampler, settings, model_hash=loaded.model_hash, cache_dir=out_dir / "cache",
-                                allow_code_execution=True, problems=problems,
-                                problems_per_call=max(1, sampler.batch // settings.num_samples), workers=workers,
-                                unsafe_weak_isolation=unsafe_weak_isolation)
+        he = evaluate_humaneval(
+            sampler,
+            settings,
+            model_hash=loaded.model_hash,
+            cache_dir=out_dir / "cache",
+            allow_code_execution=True,
+            problems=problems,
+            problems_per_call=max(1, sampler.batch // settings.num_samples),
+            workers=workers,
+            unsafe_weak_isolation=unsafe_weak_isolation,
+        )
         he["generation"].update({**placement.to_json(), "batch": sampler.batch})
         results["humaneval"] = he
         results.update({k: v for k, v in he.items() if k.startswith("pass@")})

@@ -76,8 +76,9 @@ class Sample:
     """One program in the sandbox: `send`/`recv` length-prefixed messages on its fds argv[1] (requests, read
     by it) and argv[2] (answers, written by it), all before `timeout_s` from the start; `close` kills it."""
 
-    def __init__(self, code: str, args: tuple[str, ...] = (), *, timeout_s: float, memory_mb: int,
-                 weak: bool = False) -> None:
+    def __init__(
+        self, code: str, args: tuple[str, ...] = (), *, timeout_s: float, memory_mb: int, weak: bool = False
+    ) -> None:
         self.deadline = time.monotonic() + timeout_s
         self.output, self.output_bytes, self.weak = bytearray(), 0, weak
         request_r, self._request_w = os.pipe()
@@ -90,13 +91,27 @@ class Sample:
         if weak:
             argv, preexec, cwd = program, _weak_limits(memory_mb, int(timeout_s) + 1), self._tmp.name
         else:
-            config = {"program": program, "expose": _exposed(), "memory_mb": memory_mb, "cpu_s": int(timeout_s) + 1,
-                      "fds": [request_r, answer_w]}
+            config = {
+                "program": program,
+                "expose": _exposed(),
+                "memory_mb": memory_mb,
+                "cpu_s": int(timeout_s) + 1,
+                "fds": [request_r, answer_w],
+            }
             config["hide"] = _hidden(config["expose"])
             argv, preexec, cwd = [python, "-I", "-S", "-B", os.path.abspath(__file__), json.dumps(config)], None, "/"
         try:
-            self.proc = subprocess.Popen(argv, cwd=cwd, env=_ENV, stdin=subprocess.DEVNULL, stdout=out_w, stderr=out_w,
-                                         pass_fds=(request_r, answer_w), start_new_session=True, preexec_fn=preexec)
+            self.proc = subprocess.Popen(
+                argv,
+                cwd=cwd,
+                env=_ENV,
+                stdin=subprocess.DEVNULL,
+                stdout=out_w,
+                stderr=out_w,
+                pass_fds=(request_r, answer_w),
+                start_new_session=True,
+                preexec_fn=preexec,
+            )
         finally:
             for fd in (request_r, answer_w, out_w):
                 os.close(fd)
@@ -108,7 +123,7 @@ class Sample:
         with os.fdopen(fd, "rb", buffering=0) as out:
             while chunk := out.read(1 << 16):
                 self.output_bytes += len(chunk)
-                self.output += chunk[:max(0, OUTPUT_CAP - len(self.output))]
+                self.output += chunk[: max(0, OUTPUT_CAP - len(self.output))]
 
     def _wait(self, fd: int, write: bool) -> None:
         left = self.deadline - time.monotonic()
@@ -121,7 +136,7 @@ class Sample:
         while data:
             self._wait(self._request_w, write=True)
             try:
-                data = data[os.write(self._request_w, data):]
+                data = data[os.write(self._request_w, data) :]
             except BrokenPipeError:
                 raise SampleExited from None
 
@@ -159,8 +174,12 @@ class Sample:
             self._tmp.cleanup()
         if not self.weak and self.proc.returncode == SETUP_FAILED:
             lines = self.output.decode(errors="replace").splitlines()
-            raise SetupError(next((line[len(_SETUP_PREFIX):] for line in lines if line.startswith(_SETUP_PREFIX)),
-                                  "the sandbox launcher failed"))
+            raise SetupError(
+                next(
+                    (line[len(_SETUP_PREFIX) :] for line in lines if line.startswith(_SETUP_PREFIX)),
+                    "the sandbox launcher failed",
+                )
+            )
 
 
 def _python() -> str:
@@ -170,8 +189,18 @@ def _python() -> str:
 
 def _exposed() -> list[str]:
     """The read-only system view, outermost first (a path inside an earlier one is left out)."""
-    paths = ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc",
-             os.path.realpath(sys.base_prefix), os.path.dirname(_python())]
+    paths = [
+        "/usr",
+        "/bin",
+        "/sbin",
+        "/lib",
+        "/lib32",
+        "/lib64",
+        "/libx32",
+        "/etc",
+        os.path.realpath(sys.base_prefix),
+        os.path.dirname(_python()),
+    ]
     chosen: list[str] = []
     for path in sorted(p for p in set(paths) if os.path.lexists(p)):
         if not any(path.startswith(c.rstrip("/") + "/") for c in chosen if not os.path.islink(c)):
@@ -186,8 +215,11 @@ def _hidden(exposed: list[str]) -> list[str]:
     candidates = [sysconfig.get_paths(vars=base)[k] for k in ("purelib", "platlib")]
     for pattern in ("/usr/lib/python3*/dist-packages", "/usr/local/lib/python3*/*-packages"):
         candidates += glob.glob(pattern)
-    candidates += [os.path.expanduser("~"), os.getcwd(), os.path.dirname(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__))))]
+    candidates += [
+        os.path.expanduser("~"),
+        os.getcwd(),
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    ]
     real = sorted({os.path.realpath(p) for p in candidates if os.path.isdir(p)})
     return [p for p in real if any(p.startswith(e + "/") for e in exposed if not os.path.islink(e))]
 
@@ -204,8 +236,10 @@ def _weak_limits(memory_mb: int, cpu_seconds: int):
     return apply
 
 
-_PROBE = ("import os, sys\nm = f'{os.getuid()} {os.getpid()}'.encode()\n"
-          "os.write(int(sys.argv[2]), len(m).to_bytes(4, 'big') + m)\n")
+_PROBE = (
+    "import os, sys\nm = f'{os.getuid()} {os.getpid()}'.encode()\n"
+    "os.write(int(sys.argv[2]), len(m).to_bytes(4, 'big') + m)\n"
+)
 
 
 @functools.lru_cache(maxsize=1)
@@ -229,8 +263,10 @@ def isolation_problem() -> Optional[str]:
 def describe(weak: bool) -> str:
     if weak:
         return "sandbox: WEAK (--unsafe-weak-isolation): a subprocess per sample with rlimits, no namespaces"
-    return (f"sandbox: per sample user/mount/PID/net/IPC namespaces, uid {NOBODY}, read-only system view, "
-            f"{TMP_MB} MiB private /tmp, {MAX_TASKS} tasks, no network")
+    return (
+        f"sandbox: per sample user/mount/PID/net/IPC namespaces, uid {NOBODY}, read-only system view, "
+        f"{TMP_MB} MiB private /tmp, {MAX_TASKS} tasks, no network"
+    )
 
 
 # ---- the launcher: what runs between `python sandbox.py CONFIG` and the program (stdlib only) ----
@@ -253,7 +289,7 @@ class _Libc:
             raise OSError(err, f"{what}: {os.strerror(err)}")
 
     def mount(self, source: Optional[str], target: str, fstype: Optional[str], flags: int, data: str = "") -> None:
-        enc = (lambda s: s.encode() if s is not None else None)
+        enc = lambda s: s.encode() if s is not None else None
         self(f"mount {target}", "mount", enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data))
 
 
@@ -270,8 +306,11 @@ def _launch(config: dict) -> None:
             os._exit(0)
         outer_uid, outer_gid = (NOBODY, NOBODY) if uid == 0 else (uid, gid)
         try:
-            for name, text in (("setgroups", "deny"), ("uid_map", f"{NOBODY} {outer_uid} 1"),
-                               ("gid_map", f"{NOBODY} {outer_gid} 1")):
+            for name, text in (
+                ("setgroups", "deny"),
+                ("uid_map", f"{NOBODY} {outer_uid} 1"),
+                ("gid_map", f"{NOBODY} {outer_gid} 1"),
+            ):
                 with open(f"/proc/{os.getppid()}/{name}", "w") as f:
                     f.write(text)
         except OSError as exc:
@@ -279,8 +318,11 @@ def _launch(config: dict) -> None:
             os._exit(1)
         os._exit(0)
     os.close(go_r)
-    libc("unshare(user, mount, PID, net, IPC, UTS namespaces) (are user namespaces allowed here?)", "unshare",
-         CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS)
+    libc(
+        "unshare(user, mount, PID, net, IPC, UTS namespaces) (are user namespaces allowed here?)",
+        "unshare",
+        CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS,
+    )
     os.write(go_w, b"x")
     if os.waitpid(helper, 0)[1] != 0:
         raise OSError("writing the uid/gid maps of the sample's user namespace failed")
@@ -371,9 +413,14 @@ def _limit(config: dict) -> None:
     import resource
 
     per_task = (config["memory_mb"] << 20) // MAX_TASKS  # so all tasks together stay within memory_mb
-    for limit, value in ((resource.RLIMIT_AS, per_task), (resource.RLIMIT_CPU, config["cpu_s"]),
-                         (resource.RLIMIT_FSIZE, TMP_MB << 20), (resource.RLIMIT_CORE, 0),
-                         (resource.RLIMIT_NPROC, MAX_TASKS), (resource.RLIMIT_NOFILE, 64)):
+    for limit, value in (
+        (resource.RLIMIT_AS, per_task),
+        (resource.RLIMIT_CPU, config["cpu_s"]),
+        (resource.RLIMIT_FSIZE, TMP_MB << 20),
+        (resource.RLIMIT_CORE, 0),
+        (resource.RLIMIT_NPROC, MAX_TASKS),
+        (resource.RLIMIT_NOFILE, 64),
+    ):
         resource.setrlimit(limit, (value, value))
 
 

@@ -102,8 +102,9 @@ def recorded_launches(fusion: str, shapes: Shapes, dtype: torch.dtype):
         logits, labels = meta(shapes.tokens, shapes.vocab), meta(shapes.tokens, dtype=torch.int64)
         row_max, _, _ = cross_entropy._cross_entropy_fwd(logits, labels, 0, recorder("cross_entropy_fwd"))
         # backward takes the fp32 [rows] log-sum-exp and incoming gradient, shaped like the row statistics
-        cross_entropy._cross_entropy_bwd(logits, labels, torch.empty_like(row_max), torch.empty_like(row_max), 0,
-                                         recorder("cross_entropy_bwd"))
+        cross_entropy._cross_entropy_bwd(
+            logits, labels, torch.empty_like(row_max), torch.empty_like(row_max), 0, recorder("cross_entropy_bwd")
+        )
     else:
         raise UserError(f"unknown fusion {fusion!r}; known: {', '.join(FUSIONS)}")
     return recorded
@@ -119,8 +120,12 @@ def ptxas_figures(report: str) -> dict:
     stack = re.search(r"(\d+) bytes stack frame", report)
     if not (registers and spills and stack):
         raise RuntimeError(f"could not read registers and spills from ptxas' report:\n{report}")
-    return {"registers": int(registers.group(1)), "spills": int(spills.group(1)),
-            "spill_loads": int(spills.group(2)), "stack_bytes": int(stack.group(1))}
+    return {
+        "registers": int(registers.group(1)),
+        "spills": int(spills.group(1)),
+        "spill_loads": int(spills.group(2)),
+        "stack_bytes": int(stack.group(1)),
+    }
 
 
 def compile_launch(launch, capability: int):
@@ -138,10 +143,13 @@ def compile_launch(launch, capability: int):
     target = GPUTarget("cuda", capability, 32)
     backend = make_backend(target)
     # What JITFunction.run does before binding (triton 3.x), so the options and the cache key match a launch.
-    kwargs = {**launch.constexprs, "num_warps": launch.num_warps,
-              "debug": kernel.debug or knobs.runtime.debug,
-              "instrumentation_mode": knobs.compilation.instrumentation_mode,
-              "fpsan_homomorphic_casts": knobs.compilation.fpsan_homomorphic_casts}
+    kwargs = {
+        **launch.constexprs,
+        "num_warps": launch.num_warps,
+        "debug": kernel.debug or knobs.runtime.debug,
+        "instrumentation_mode": knobs.compilation.instrumentation_mode,
+        "fpsan_homomorphic_casts": knobs.compilation.fpsan_homomorphic_casts,
+    }
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound_args, specialization, options = binder(*launch.args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization, options)
@@ -177,8 +185,10 @@ def _short(value) -> str:
 
 def compile_all(capabilities, dtype_names, shape_names, fusions, progress=None) -> list[dict]:
     if os.environ.get("TRITON_INTERPRET") == "1":  # @triton.jit then makes interpreted functions: no compiling
-        raise UserError("TRITON_INTERPRET=1 is set: Triton's interpreter replaces compilation, so nothing could be "
-                        "compiled; unset it for this command")
+        raise UserError(
+            "TRITON_INTERPRET=1 is set: Triton's interpreter replaces compilation, so nothing could be "
+            "compiled; unset it for this command"
+        )
     progress = progress or sys.stderr
     jobs = []
     for capability in capabilities:
@@ -189,9 +199,15 @@ def compile_all(capabilities, dtype_names, shape_names, fusions, progress=None) 
                         jobs.append((capability, shape_name, dtype_name, label, launch))
     results = []
     for index, (capability, shape_name, dtype_name, label, launch) in enumerate(jobs, 1):
-        entry = {"kernel": label, "arch": f"sm_{capability}", "dtype": dtype_name, "shapes": shape_name,
-                 "triton_kernel": launch.name, "num_warps": launch.num_warps,
-                 "constexprs": {key: value for key, value in launch.constexprs.items()}}
+        entry = {
+            "kernel": label,
+            "arch": f"sm_{capability}",
+            "dtype": dtype_name,
+            "shapes": shape_name,
+            "triton_kernel": launch.name,
+            "num_warps": launch.num_warps,
+            "constexprs": {key: value for key, value in launch.constexprs.items()},
+        }
         start = time.perf_counter()
         try:
             _, report = compile_launch(launch, capability)
@@ -203,11 +219,18 @@ def compile_all(capabilities, dtype_names, shape_names, fusions, progress=None) 
             entry.update(ok=False, registers=None, spills=None, error=f"{type(exc).__name__}: {exc}"[:2000])
         entry["seconds"] = round(time.perf_counter() - start, 2)
         results.append(entry)
-        figures = (f"{entry['registers']} registers, {entry['spills']} spill bytes" if entry["registers"] is not None
-                   else entry["error"].splitlines()[0])
-        print(f"[{index:3d}/{len(jobs)}] {entry['arch']} {dtype_name:4s} {shape_name:16s} {label:26s} "
-              f"{'ok  ' if entry['ok'] else 'FAIL'} {figures}; {launch.num_warps} warps "
-              f"{_short(entry['constexprs'])} ({entry['seconds']:.1f} s)", file=progress, flush=True)
+        figures = (
+            f"{entry['registers']} registers, {entry['spills']} spill bytes"
+            if entry["registers"] is not None
+            else entry["error"].splitlines()[0]
+        )
+        print(
+            f"[{index:3d}/{len(jobs)}] {entry['arch']} {dtype_name:4s} {shape_name:16s} {label:26s} "
+            f"{'ok  ' if entry['ok'] else 'FAIL'} {figures}; {launch.num_warps} warps "
+            f"{_short(entry['constexprs'])} ({entry['seconds']:.1f} s)",
+            file=progress,
+            flush=True,
+        )
     return results
 
 
@@ -229,15 +252,25 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         capabilities = [parse_arch(arch) for arch in args.arch.split(",") if arch.strip()]
-        results = compile_all(capabilities, _names(args.dtypes, DTYPES, "dtypes"),
-                              _names(args.shapes, SHAPES, "shapes"), _names(args.fusions, FUSIONS, "fusions"))
+        results = compile_all(
+            capabilities,
+            _names(args.dtypes, DTYPES, "dtypes"),
+            _names(args.shapes, SHAPES, "shapes"),
+            _names(args.fusions, FUSIONS, "fusions"),
+        )
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     failed = [entry for entry in results if not entry["ok"]]
-    print(f"{len(results) - len(failed)}/{len(results)} kernels compiled without spills"
-          + (f"; FAILED: {', '.join(sorted({e['kernel'] + ' ' + e['arch'] + ' ' + e['dtype'] for e in failed}))}"
-             if failed else ""), file=sys.stderr)
+    print(
+        f"{len(results) - len(failed)}/{len(results)} kernels compiled without spills"
+        + (
+            f"; FAILED: {', '.join(sorted({e['kernel'] + ' ' + e['arch'] + ' ' + e['dtype'] for e in failed}))}"
+            if failed
+            else ""
+        ),
+        file=sys.stderr,
+    )
     if args.json:
         print(json.dumps(results, indent=1))
     return 1 if failed else 0

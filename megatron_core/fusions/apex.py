@@ -54,15 +54,19 @@ def fused_adam_problem(device_type: str) -> str | None:
     """Why `training.optimizer: apex` cannot run on `device_type` here ('cpu' or 'cuda'), or None when it can:
     FusedAdam's multi-tensor kernels (amp_C) are CUDA only, and both must import."""
     if device_type != "cuda":
-        return (f"training.optimizer 'apex' (Apex's FusedAdam) runs on CUDA only but training runs on {device_type}: "
-                "use --set optimizer=adam (torch's AdamW)")
+        return (
+            f"training.optimizer 'apex' (Apex's FusedAdam) runs on CUDA only but training runs on {device_type}: "
+            "use --set optimizer=adam (torch's AdamW)"
+        )
     status = apex_status()
     missing = [name for name in ("apex.optimizers.FusedAdam", "amp_C") if not status[name]]
     if missing:
         why = status["errors"].get(missing[0], "")
-        return (f"training.optimizer 'apex' needs Apex's FusedAdam with its CUDA extensions, but "
-                f"{' and '.join(missing)} do not import here ({why}): build Apex as docker/Dockerfile does, "
-                "or use --set optimizer=adam")
+        return (
+            f"training.optimizer 'apex' needs Apex's FusedAdam with its CUDA extensions, but "
+            f"{' and '.join(missing)} do not import here ({why}): build Apex as docker/Dockerfile does, "
+            "or use --set optimizer=adam"
+        )
     return None
 
 

@@ -46,9 +46,10 @@ def backend_choices(fusion: str) -> tuple[str, ...]:
 
 
 def _no_kernel(fusion: str, backend: str) -> str:
-    why = {"triton": f"there is no Triton kernel for {fusion} (ours ran slower than PyTorch on the GPU and was "
-                     "deleted)",
-           "apex": f"Apex has no kernel for {fusion}"}[backend]
+    why = {
+        "triton": f"there is no Triton kernel for {fusion} (ours ran slower than PyTorch on the GPU and was deleted)",
+        "apex": f"Apex has no kernel for {fusion}",
+    }[backend]
     return f"{why}; use one of {', '.join(backend_choices(fusion))}"
 
 
@@ -74,15 +75,19 @@ def _triton_import_problem() -> str | None:
 def _triton_interpreter_problem() -> str | None:
     """Why the Triton interpreter cannot run here, or None when it can."""
     if os.environ.get("TRITON_INTERPRET") != "1":
-        return ("Triton runs on a CPU only under its interpreter; set TRITON_INTERPRET=1 in the environment "
-                "before Python starts, or use backend 'torch'")
+        return (
+            "Triton runs on a CPU only under its interpreter; set TRITON_INTERPRET=1 in the environment "
+            "before Python starts, or use backend 'torch'"
+        )
     # Lazy: triton is optional, and importing it here (only once the variable is set) cannot fix the mode.
     import triton.language as tl
     from triton.runtime.interpreter import InterpretedFunction
 
     if not isinstance(tl.random.randint, InterpretedFunction):
-        return ("TRITON_INTERPRET=1 was set after triton had already been imported in this process; set it "
-                "before the first `import triton` (e.g. in the environment of the process)")
+        return (
+            "TRITON_INTERPRET=1 was set after triton had already been imported in this process; set it "
+            "before the first `import triton` (e.g. in the environment of the process)"
+        )
     return None
 
 
@@ -106,8 +111,10 @@ def _triton_problem_on(kind: str) -> str | None:
         if not torch.cuda.is_available():
             return "no CUDA device is available to this process"
         if os.environ.get("TRITON_INTERPRET") == "1":
-            return ("TRITON_INTERPRET=1 is set, so the kernels would run in Triton's interpreter on host copies "
-                    "of the CUDA tensors, not compiled for the GPU; unset it")
+            return (
+                "TRITON_INTERPRET=1 is set, so the kernels would run in Triton's interpreter on host copies "
+                "of the CUDA tensors, not compiled for the GPU; unset it"
+            )
         return None
     if kind == "cpu":
         return _triton_interpreter_problem()
@@ -126,9 +133,11 @@ def apex_problem(device) -> str | None:
     status = apex_status()
     missing = [name for name in ("apex", "fused_layer_norm_cuda") if not status[name]]
     if missing:
-        return (f"Apex is not usable: {', '.join(missing)} failed to import "
-                f"({status['errors'].get(missing[0], '')}); install Apex with its CUDA extensions or use "
-                "'torch'")
+        return (
+            f"Apex is not usable: {', '.join(missing)} failed to import "
+            f"({status['errors'].get(missing[0], '')}); install Apex with its CUDA extensions or use "
+            "'torch'"
+        )
     return None
 
 
@@ -186,8 +195,9 @@ class FusionBackends:
                 name = f"bias_gelu[{gelu_approximation}]"
                 backend = backend if gelu_approximation == "tanh" else "torch (exact erf)"
             fusions.append(f"{name}={backend}")
-        return (f"backends on {self.device}: attention={self.attention}, {', '.join(fusions)}"
-                + (f" ({self.note})" if self.note else ""))
+        return f"backends on {self.device}: attention={self.attention}, {', '.join(fusions)}" + (
+            f" ({self.note})" if self.note else ""
+        )
 
 
 def _stand_in(fusion: str, requested: str, device) -> str:
@@ -198,8 +208,9 @@ def _stand_in(fusion: str, requested: str, device) -> str:
     return _auto_backend(fusion, device)
 
 
-def resolve_backends(fusions: str = "auto", overrides: dict | None = None, device="cpu",
-                     attention: str = "auto") -> FusionBackends:
+def resolve_backends(
+    fusions: str = "auto", overrides: dict | None = None, device="cpu", attention: str = "auto"
+) -> FusionBackends:
     """Resolve the recipe's `fusions` key (auto|triton|apex|torch), per-fusion overrides and `attention`
     (model.attention_backend) for `device`.
 
@@ -233,5 +244,14 @@ def resolve_backends(fusions: str = "auto", overrides: dict | None = None, devic
     return FusionBackends(**chosen, device=kind, note="; ".join(notes), attention=attention_kernel(attention))
 
 
-__all__ = ["ATTENTION_CHOICES", "FUSION_NAMES", "FusionBackends", "resolve_backends", "attention_kernel",
-           "choose_backend", "backend_choices", "triton_problem", "apex_problem"]
+__all__ = [
+    "ATTENTION_CHOICES",
+    "FUSION_NAMES",
+    "FusionBackends",
+    "resolve_backends",
+    "attention_kernel",
+    "choose_backend",
+    "backend_choices",
+    "triton_problem",
+    "apex_problem",
+]

@@ -9,8 +9,9 @@ from megatron_core.errors import UserError
 from megatron_core.fusions.backends import choose_backend
 
 
-def bias_dropout_add_reference(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float,
-                               training: bool) -> torch.Tensor:
+def bias_dropout_add_reference(
+    x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float, training: bool
+) -> torch.Tensor:
     """The torch backend; the mask comes from torch's default generator of x's device."""
     z = x if bias is None else x + bias
     if training and p > 0.0:
@@ -18,8 +19,15 @@ def bias_dropout_add_reference(x: torch.Tensor, bias: torch.Tensor | None, resid
     return residual + z
 
 
-def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float, training: bool,
-                     *, backend: str = "auto") -> torch.Tensor:
+def bias_dropout_add(
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    p: float,
+    training: bool,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
     """residual + dropout(x + bias) with drop probability p when `training`; bias [hidden] or None."""
     if not 0.0 <= float(p) <= 1.0:
         raise UserError(f"dropout probability p={p} is outside [0, 1]")

@@ -65,8 +65,10 @@ class _BiasGeluSigmoid(torch.autograd.Function):
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """tanh-approximate GeLU(x + bias); bias [hidden] broadcast over the rows of x [..., hidden]."""
     if bias is None or bias.shape != (x.shape[-1],):
-        raise UserError(f"bias_gelu bias must be a [{x.shape[-1]}] tensor (the last dimension of x "
-                        f"{tuple(x.shape)}), got {None if bias is None else tuple(bias.shape)}")
+        raise UserError(
+            f"bias_gelu bias must be a [{x.shape[-1]}] tensor (the last dimension of x "
+            f"{tuple(x.shape)}), got {None if bias is None else tuple(bias.shape)}"
+        )
     choose_backend("bias_gelu", backend, x.device)  # checks the name: torch is the one implementation
     if x.device.type == "cpu" and x.dtype == bias.dtype and x.dtype in (torch.float32, torch.float64):
         # (16-bit inputs keep F.gelu, which computes in fp32 and rounds once; these in-place passes

@@ -49,8 +49,10 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dloss):
         if ctx.backward_done:
-            raise RuntimeError("cross_entropy (torch backend) reuses its saved buffer for the gradient; "
-                               "it cannot be backpropagated twice (retain_graph)")
+            raise RuntimeError(
+                "cross_entropy (torch backend) reuses its saved buffer for the gradient; "
+                "it cannot be backpropagated twice (retain_graph)"
+            )
         ctx.backward_done = True
         exp_logits, sum_exp, safe_labels, in_shard = ctx.saved_tensors
         dloss = dloss.float()
@@ -59,18 +61,28 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.logits_dtype), None, None, None, None
 
 
-def cross_entropy_reference(logits: torch.Tensor, labels: torch.Tensor, group=None,
-                            vocab_start_index: int = 0, inplace: bool = False) -> torch.Tensor:
+def cross_entropy_reference(
+    logits: torch.Tensor, labels: torch.Tensor, group=None, vocab_start_index: int = 0, inplace: bool = False
+) -> torch.Tensor:
     return VocabParallelCrossEntropy.apply(logits, labels, group, vocab_start_index, inplace)
 
 
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, group=None, vocab_start_index: int = 0,
-                  backend: str = "auto", inplace: bool = False) -> torch.Tensor:
+def cross_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    group=None,
+    vocab_start_index: int = 0,
+    backend: str = "auto",
+    inplace: bool = False,
+) -> torch.Tensor:
     """Per-token loss [...] (fp32) of `logits` [..., V_local] against int `labels` [...].
     `inplace=True` lets the torch backend overwrite fp32 `logits` (only when nothing else reads them)."""
     if labels.shape != logits.shape[:-1]:
-        raise UserError(f"cross_entropy labels {tuple(labels.shape)} must match logits {tuple(logits.shape)} "
-                        "without its last (vocab) dimension")
+        raise UserError(
+            f"cross_entropy labels {tuple(labels.shape)} must match logits {tuple(logits.shape)} "
+            "without its last (vocab) dimension"
+        )
     if labels.dtype not in (torch.int64, torch.int32):
         raise UserError(f"cross_entropy labels have dtype {labels.dtype}; pass integer token ids (int64)")
     if int(vocab_start_index) < 0:

@@ -23,8 +23,10 @@ def scaled_causal_softmax(scores: torch.Tensor, scale: float, backend: str = "au
     """softmax(scale * scores) over the keys of attention scores [b, np, sq, sk] (sq == sk), with key j > query
     i masked to probability 0. Non-contiguous scores are accepted (the Triton path copies them contiguous)."""
     if scores.dim() != 4 or scores.shape[-1] != scores.shape[-2]:
-        raise UserError(f"scaled_causal_softmax takes scores [b, np, sq, sk] with sq == sk (self-attention), "
-                        f"got {tuple(scores.shape)}")
+        raise UserError(
+            f"scaled_causal_softmax takes scores [b, np, sq, sk] with sq == sk (self-attention), "
+            f"got {tuple(scores.shape)}"
+        )
     chosen = choose_backend("softmax", backend, scores.device)
     if chosen == "triton":
         # Lazy: the kernel module imports triton (optional; its import fixes TRITON_INTERPRET for the process).

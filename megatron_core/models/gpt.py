@@ -97,8 +97,9 @@ class ElementwiseOps:
 
     def cross_entropy(self, vocab_parallel_logits, labels):
         # The logits are the head's fresh output, read by nothing else: the loss may reuse their buffer.
-        return vocab_parallel_cross_entropy(vocab_parallel_logits, labels, backend=self.backends.cross_entropy,
-                                            inplace=True)
+        return vocab_parallel_cross_entropy(
+            vocab_parallel_logits, labels, backend=self.backends.cross_entropy, inplace=True
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -136,11 +137,13 @@ class Embedding(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.dropout = config.hidden_dropout
         std = normal_init(config.init_method_std)
-        self.word_embeddings = VocabParallelEmbedding(padded_vocab_size, h, reduce_scatter_output=sequence_parallel,
-                                                      init_method=std, initialize=False)
+        self.word_embeddings = VocabParallelEmbedding(
+            padded_vocab_size, h, reduce_scatter_output=sequence_parallel, init_method=std, initialize=False
+        )
         # Given an (uninitialized) weight, nn.Embedding skips its own init: GPTModel.initialize_parameters does it.
-        self.position_embeddings = nn.Embedding(config.max_position_embeddings, h,
-                                                _weight=torch.empty(config.max_position_embeddings, h))
+        self.position_embeddings = nn.Embedding(
+            config.max_position_embeddings, h, _weight=torch.empty(config.max_position_embeddings, h)
+        )
         declare_init(self.position_embeddings.weight, std)
 
     def forward(self, input_ids, position_ids):
@@ -165,11 +168,18 @@ class SelfAttention(nn.Module):
         self.recompute_core = parallel.recompute_granularity == "selective"
         self.ops = ops
         # Output rows per head are [q (head_dim rows), k, v]: Megatron's checkpoint_version 3.0 order.
-        self.query_key_value = ColumnParallelLinear(h, 3 * h, sequence_parallel=sp,
-                                                    init_method=normal_init(config.init_method_std),
-                                                    initialize=False)
-        self.dense = RowParallelLinear(h, h, input_is_parallel=True, sequence_parallel=sp, skip_bias_add=True,
-                                       init_method=normal_init(output_std), initialize=False)
+        self.query_key_value = ColumnParallelLinear(
+            h, 3 * h, sequence_parallel=sp, init_method=normal_init(config.init_method_std), initialize=False
+        )
+        self.dense = RowParallelLinear(
+            h,
+            h,
+            input_is_parallel=True,
+            sequence_parallel=sp,
+            skip_bias_add=True,
+            init_method=normal_init(output_std),
+            initialize=False,
+        )
 
     def core_attention(self, q, k, v, kernel: str = "sdpa"):
         """softmax(q k^T / sqrt(d), causal) v on [b, heads, s, d] with `kernel` "sdpa" or "unfused"; dropout
@@ -207,11 +217,23 @@ class MLP(nn.Module):
         super().__init__()
         h, ffn, sp = config.hidden_size, config.ffn_size, parallel.sequence_parallel
         self.ops = ops
-        self.dense_h_to_4h = ColumnParallelLinear(h, ffn, sequence_parallel=sp, skip_bias_add=True,
-                                                  init_method=normal_init(config.init_method_std), initialize=False)
-        self.dense_4h_to_h = RowParallelLinear(ffn, h, input_is_parallel=True, sequence_parallel=sp,
-                                               skip_bias_add=True, init_method=normal_init(output_std),
-                                               initialize=False)
+        self.dense_h_to_4h = ColumnParallelLinear(
+            h,
+            ffn,
+            sequence_parallel=sp,
+            skip_bias_add=True,
+            init_method=normal_init(config.init_method_std),
+            initialize=False,
+        )
+        self.dense_4h_to_h = RowParallelLinear(
+            ffn,
+            h,
+            input_is_parallel=True,
+            sequence_parallel=sp,
+            skip_bias_add=True,
+            init_method=normal_init(output_std),
+            initialize=False,
+        )
 
     def forward(self, x):
         x, bias = self.dense_h_to_4h(x)
@@ -246,14 +268,16 @@ class TransformerLayer(nn.Module):
 class Encoder(nn.Module):
     """This pipeline stage's layers (numbered 0.. locally), and the final LayerNorm on the last stage."""
 
-    def __init__(self, config: ModelConfig, parallel: ParallelConfig, ops: ElementwiseOps, num_layers: int,
-                 final_layernorm: bool) -> None:
+    def __init__(
+        self, config: ModelConfig, parallel: ParallelConfig, ops: ElementwiseOps, num_layers: int, final_layernorm: bool
+    ) -> None:
         super().__init__()
         self.recompute_layers = parallel.recompute_granularity == "full"
         self.layers = nn.ModuleList(TransformerLayer(config, parallel, ops) for _ in range(num_layers))
         if final_layernorm:
-            self.final_layernorm = LayerNorm(config.hidden_size, config.layernorm_epsilon, ops,
-                                             parallel.sequence_parallel)
+            self.final_layernorm = LayerNorm(
+                config.hidden_size, config.layernorm_epsilon, ops, parallel.sequence_parallel
+            )
         else:
             self.final_layernorm = None
 
@@ -276,10 +300,13 @@ def _check_layout(config: ModelConfig, parallel: ParallelConfig, padded_vocab_si
     # A single process may build any one pipeline stage (pre/post_process, layer_offset given),
     # but tensor parallelism always needs its process group.
     if tp != live_tp or (live_pp != 1 and pp != live_pp):
-        raise UserError(f"the model asks for TP {tp} x PP {pp} but the process groups are TP {live_tp} x PP "
-                        f"{live_pp}; call parallel_state.initialize_model_parallel({tp}, {pp}) before building")
+        raise UserError(
+            f"the model asks for TP {tp} x PP {pp} but the process groups are TP {live_tp} x PP "
+            f"{live_pp}; call parallel_state.initialize_model_parallel({tp}, {pp}) before building"
+        )
     ModelSpec.from_configs(config, parallel, padded_vocab_size).check(
-        "change the recipe's parallel sizes or model shape")
+        "change the recipe's parallel sizes or model shape"
+    )
 
 
 def _backends_for(config: ModelConfig, fusions: Optional[FusionBackends]) -> FusionBackends:
@@ -289,9 +316,11 @@ def _backends_for(config: ModelConfig, fusions: Optional[FusionBackends]) -> Fus
     if fusions is None:
         return FusionBackends(attention=kernel)
     if fusions.attention != kernel:
-        raise ValueError(f"the fusion backends run attention kernel {fusions.attention!r} but the model asks for "
-                         f"attention_backend {config.attention_backend!r}; pass attention=config.attention_backend "
-                         "to resolve_backends")
+        raise ValueError(
+            f"the fusion backends run attention kernel {fusions.attention!r} but the model asks for "
+            f"attention_backend {config.attention_backend!r}; pass attention=config.attention_backend "
+            "to resolve_backends"
+        )
     return fusions
 
 
@@ -313,10 +342,19 @@ class GPTModel(nn.Module):
     final norm and head in the last chunk of the last stage. `build_gpt_model` builds them all.
     """
 
-    def __init__(self, config: ModelConfig, parallel: ParallelConfig, padded_vocab_size: int, *,
-                 pre_process: Optional[bool] = None, post_process: Optional[bool] = None,
-                 layer_offset: Optional[int] = None, fusions: Optional[FusionBackends] = None,
-                 init_seed: Optional[int] = None, virtual_pipeline_rank: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        parallel: ParallelConfig,
+        padded_vocab_size: int,
+        *,
+        pre_process: Optional[bool] = None,
+        post_process: Optional[bool] = None,
+        layer_offset: Optional[int] = None,
+        fusions: Optional[FusionBackends] = None,
+        init_seed: Optional[int] = None,
+        virtual_pipeline_rank: Optional[int] = None,
+    ) -> None:
         super().__init__()
         _check_layout(config, parallel, padded_vocab_size)
         pp = parallel.pipeline_model_parallel_size
@@ -324,8 +362,10 @@ class GPTModel(nn.Module):
         self.padded_vocab_size = padded_vocab_size
         chunks = parallel.virtual_pipeline_model_parallel_size(config.num_layers)
         if virtual_pipeline_rank is not None and not (chunks and 0 <= virtual_pipeline_rank < chunks):
-            raise UserError(f"virtual_pipeline_rank {virtual_pipeline_rank} needs "
-                            f"parallel.num_layers_per_virtual_pipeline_stage set and a rank below {chunks or 1}")
+            raise UserError(
+                f"virtual_pipeline_rank {virtual_pipeline_rank} needs "
+                f"parallel.num_layers_per_virtual_pipeline_stage set and a rank below {chunks or 1}"
+            )
         self.virtual_pipeline_rank = vp = virtual_pipeline_rank or 0
         first_chunk, last_chunk = vp == 0, vp == (chunks or 1) - 1
         if pre_process is None:
@@ -334,8 +374,12 @@ class GPTModel(nn.Module):
             post_process = parallel_state.is_pipeline_last_stage() and last_chunk
         self.pre_process, self.post_process = pre_process, post_process
         layers = parallel_state.stage_layers(
-            config.num_layers, pp, parallel_state.get_pipeline_model_parallel_rank(),
-            num_layers_per_virtual_pipeline_stage=parallel.num_layers_per_virtual_pipeline_stage, virtual_rank=vp)
+            config.num_layers,
+            pp,
+            parallel_state.get_pipeline_model_parallel_rank(),
+            num_layers_per_virtual_pipeline_stage=parallel.num_layers_per_virtual_pipeline_stage,
+            virtual_rank=vp,
+        )
         layers_per_stage = len(layers)
         if layer_offset is None:
             layer_offset = layers.start
@@ -349,16 +393,21 @@ class GPTModel(nn.Module):
             self.embedding = Embedding(config, padded_vocab_size, self.sequence_parallel)
         self.encoder = Encoder(config, parallel, self.ops, layers_per_stage, final_layernorm=self.post_process)
         if self.post_process and not self.tied:
-            self.output_layer = ColumnParallelLinear(config.hidden_size, padded_vocab_size, bias=False,
-                                                     sequence_parallel=self.sequence_parallel,
-                                                     init_method=normal_init(config.init_method_std),
-                                                     initialize=False, vocab_padded=True)
+            self.output_layer = ColumnParallelLinear(
+                config.hidden_size,
+                padded_vocab_size,
+                bias=False,
+                sequence_parallel=self.sequence_parallel,
+                init_method=normal_init(config.init_method_std),
+                initialize=False,
+                vocab_padded=True,
+            )
         if self.post_process and self.tied and not self.pre_process:
             # The last stage's copy of the tied word embeddings; initialized like the first stage's
             # (same global name, same draw), and kept equal by the embedding-group all-reduce.
             self.word_embeddings_for_head = VocabParallelEmbedding(
-                padded_vocab_size, config.hidden_size, init_method=normal_init(config.init_method_std),
-                initialize=False)
+                padded_vocab_size, config.hidden_size, init_method=normal_init(config.init_method_std), initialize=False
+            )
         for param in self.shared_embedding_parameters():
             param.shared_embedding = True
         self.initialize_parameters(torch.initial_seed() if init_seed is None else init_seed)
@@ -398,8 +447,7 @@ class GPTModel(nn.Module):
         weight = the word embedding): what initialization is keyed by."""
         if name == "word_embeddings_for_head.weight":
             return "embedding.word_embeddings.weight"
-        return re.sub(r"^encoder\.layers\.(\d+)\.", lambda m: f"encoder.layers.{int(m[1]) + self.layer_offset}.",
-                      name)
+        return re.sub(r"^encoder\.layers\.(\d+)\.", lambda m: f"encoder.layers.{int(m[1]) + self.layer_offset}.", name)
 
     @torch.no_grad()
     def initialize_parameters(self, seed: int) -> None:
@@ -422,8 +470,12 @@ class GPTModel(nn.Module):
             input_tensor = input_tensor[0] if input_tensor else None
         self.input_tensor = input_tensor
 
-    def forward(self, input_ids: Optional[torch.Tensor], position_ids: Optional[torch.Tensor],
-                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: Optional[torch.Tensor],
+        position_ids: Optional[torch.Tensor],
+        labels: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         if self.pre_process:
             hidden = self.embedding(input_ids, position_ids)
         else:
@@ -479,15 +531,25 @@ class GPTModelChunks(nn.Module):
         return self.chunks[int(match[1])].global_parameter_name(match[2])
 
 
-def build_gpt_model(config: ModelConfig, parallel: ParallelConfig, padded_vocab_size: int, *,
-                    fusions: Optional[FusionBackends] = None, init_seed: Optional[int] = None):
+def build_gpt_model(
+    config: ModelConfig,
+    parallel: ParallelConfig,
+    padded_vocab_size: int,
+    *,
+    fusions: Optional[FusionBackends] = None,
+    init_seed: Optional[int] = None,
+):
     """This rank's GPT: one GPTModel stage, or GPTModelChunks with Megatron's virtual pipeline
     layout when parallel.num_layers_per_virtual_pipeline_stage is set."""
     chunks = parallel.virtual_pipeline_model_parallel_size(config.num_layers)
     if chunks is None:
         return GPTModel(config, parallel, padded_vocab_size, fusions=fusions, init_seed=init_seed)
-    return GPTModelChunks([GPTModel(config, parallel, padded_vocab_size, fusions=fusions, init_seed=init_seed,
-                                    virtual_pipeline_rank=c) for c in range(chunks)])
+    return GPTModelChunks(
+        [
+            GPTModel(config, parallel, padded_vocab_size, fusions=fusions, init_seed=init_seed, virtual_pipeline_rank=c)
+            for c in range(chunks)
+        ]
+    )
 
 
 def parameter_sharding(config: ModelConfig) -> dict[str, TensorSharding]:
@@ -499,10 +561,15 @@ def parameter_sharding(config: ModelConfig) -> dict[str, TensorSharding]:
     (`word_embeddings_for_head`, on a last stage that is not the first)."""
     one_layer, vocab = replace(config, num_layers=1), config.make_vocab_size_divisible_by  # any padded size
     with parallel_state.single_process_view(), torch.device("meta"):
-        stages = [GPTModel(one_layer, ParallelConfig(), vocab, pre_process=True, post_process=True),
-                  GPTModel(one_layer, ParallelConfig(), vocab, pre_process=False, post_process=True)]
-    return {layer_generic_name(name): declared_sharding(param)
-            for stage in stages for name, param in stage.named_parameters()}
+        stages = [
+            GPTModel(one_layer, ParallelConfig(), vocab, pre_process=True, post_process=True),
+            GPTModel(one_layer, ParallelConfig(), vocab, pre_process=False, post_process=True),
+        ]
+    return {
+        layer_generic_name(name): declared_sharding(param)
+        for stage in stages
+        for name, param in stage.named_parameters()
+    }
 
 
 def compile_layers(model) -> None:
@@ -513,9 +580,11 @@ def compile_layers(model) -> None:
     collectives are traced)."""
     if model.parallel.recompute_granularity == "selective":
         # Inside a graph the recompute would be the partitioner's, which draws the tracker's masks anew.
-        raise UserError("training.compile does not combine with recompute_granularity selective (the recompute "
-                        "would redraw the attention dropout masks); use --set recompute_granularity=full, or "
-                        "training.compile=false")
+        raise UserError(
+            "training.compile does not combine with recompute_granularity selective (the recompute "
+            "would redraw the attention dropout masks); use --set recompute_granularity=full, or "
+            "training.compile=false"
+        )
     for stage in model.chunks:
         for layer in stage.encoder.layers:
             layer.compile(fullgraph=True)

@@ -7,5 +7,15 @@ from megatron_core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron_core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megatron_core.optimizer.optimizer import AdamSettings, MegatronOptimizer, build_adam, param_groups
 
-__all__ = ["AdamSettings", "ConstantGradScaler", "DistributedOptimizer", "DynamicGradScaler", "MegatronOptimizer",
-           "build_adam", "counts_for_norm", "global_grad_norm", "param_groups", "unscale_and_check_overflow"]
+__all__ = [
+    "AdamSettings",
+    "ConstantGradScaler",
+    "DistributedOptimizer",
+    "DynamicGradScaler",
+    "MegatronOptimizer",
+    "build_adam",
+    "counts_for_norm",
+    "global_grad_norm",
+    "param_groups",
+    "unscale_and_check_overflow",
+]

@@ -38,8 +38,9 @@ def flat_spans(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     def place(t: torch.Tensor):
         return t.untyped_storage().data_ptr(), str(t.dtype), str(t.device), t.storage_offset()
 
-    flat = sorted((t for t in tensors if t.is_contiguous()),
-                  key=lambda t: (first_seen[place(t)[:3]], t.storage_offset()))
+    flat = sorted(
+        (t for t in tensors if t.is_contiguous()), key=lambda t: (first_seen[place(t)[:3]], t.storage_offset())
+    )
     spans: list[torch.Tensor] = [t for t in tensors if not t.is_contiguous()]
     run, run_place, run_end = None, None, None
     for t in flat:
@@ -73,8 +74,9 @@ def _all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
         dist.all_reduce(tensor, op=op, group=group)
 
 
-def global_grad_norm(grads: Sequence[torch.Tensor], groups: Iterable, device: torch.device,
-                     poison: Poison = False) -> float:
+def global_grad_norm(
+    grads: Sequence[torch.Tensor], groups: Iterable, device: torch.device, poison: Poison = False
+) -> float:
     """L2 norm of `grads` (the ones counts_for_norm keeps), squared sums added over each group.
     `device` is where the collective's tensor lives (the training device: NCCL refuses a CPU tensor),
     also on a rank that holds no gradient. `poison` (this rank's loss was not finite) makes the norm NaN
@@ -94,8 +96,9 @@ def global_grad_norm(grads: Sequence[torch.Tensor], groups: Iterable, device: to
 OVERFLOW, NONFINITE_LOSS = 1.0, 2.0
 
 
-def unscale_and_check_overflow(grads: Sequence[torch.Tensor], loss_scale: float, group, device: torch.device,
-                               poison: Poison = False) -> float:
+def unscale_and_check_overflow(
+    grads: Sequence[torch.Tensor], loss_scale: float, group, device: torch.device, poison: Poison = False
+) -> float:
     """Divide fp32 `grads` by the loss scale in place. 0.0 when every rank of `group` (the ranks that
     must skip the step together) holds finite grads; OVERFLOW when any holds inf/NaN; NONFINITE_LOSS when
     any rank passed `poison` (its loss was not finite). `device`: as for global_grad_norm."""

@@ -56,12 +56,22 @@ def _all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
 
 
 class DistributedOptimizer(FP32MasterOptimizer):
-    def __init__(self, model: DistributedDataParallel, settings: AdamSettings, *, precision: str = "fp32",
-                 clip_grad: float = 1.0, grad_scaler=None, device: Optional[torch.device] = None,
-                 fused_adam_cls=None) -> None:
+    def __init__(
+        self,
+        model: DistributedDataParallel,
+        settings: AdamSettings,
+        *,
+        precision: str = "fp32",
+        clip_grad: float = 1.0,
+        grad_scaler=None,
+        device: Optional[torch.device] = None,
+        fused_adam_cls=None,
+    ) -> None:
         if not isinstance(model, DistributedDataParallel) or model.grad_sync.reduce_kind != "reduce_scatter":
-            raise TypeError("DistributedOptimizer needs the model wrapped in "
-                            "DistributedDataParallel(module, parallel, reduce_kind='reduce_scatter')")
+            raise TypeError(
+                "DistributedOptimizer needs the model wrapped in "
+                "DistributedDataParallel(module, parallel, reduce_kind='reduce_scatter')"
+            )
         if precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"precision {precision!r} is not fp32, bf16 or fp16")
         grad_sync = model.grad_sync
@@ -77,29 +87,37 @@ class DistributedOptimizer(FP32MasterOptimizer):
                 start, end = max(offset, lo), min(offset + param.numel(), hi)
                 if start >= end:
                     continue
-                master = param.detach().reshape(-1)[start - offset:end - offset].clone().float()
+                master = param.detach().reshape(-1)[start - offset : end - offset].clone().float()
                 master.requires_grad_(True)
-                self.pieces.append(_Piece(names[id(param)], param, bucket, start - offset, start - lo,
-                                          end - start, master))
+                self.pieces.append(
+                    _Piece(names[id(param)], param, bucket, start - offset, start - lo, end - start, master)
+                )
         decay, no_decay = [], []
         for piece in self.pieces:
             (no_decay if no_weight_decay(piece.name, piece.param) else decay).append(piece.master)
-        groups = [g for g in ({"params": decay, "weight_decay": settings.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+        groups = [
+            g
+            for g in (
+                {"params": decay, "weight_decay": settings.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            )
+            if g["params"]
+        ]
         if not groups:  # more DP ranks than elements: this rank owns only padding
             groups = [{"params": [torch.zeros(0, requires_grad=True)], "weight_decay": 0.0}]
         device = device or (self.model_params[0].device if self.model_params else torch.device("cpu"))
         self.device = torch.device(device)  # where the norm, overflow and zero-count collectives run
         self.optimizer, inner = build_adam(groups, settings, fused_adam_cls)
         self.description = f"distributed optimizer (ZeRO-1 over DP {self.dp_size}) around {inner}"
-        self._gather_buffers = {id(b): torch.empty(b.padded_numel, dtype=b.params[0].dtype, device=device)
-                                for b in grad_sync.buckets}
+        self._gather_buffers = {
+            id(b): torch.empty(b.padded_numel, dtype=b.params[0].dtype, device=device) for b in grad_sync.buckets
+        }
 
     # -- the loop's interface ------------------------------------------------------------------
     @torch.no_grad()
     def reload_model_params(self) -> None:
         for piece in self.pieces:
-            piece.master.copy_(piece.param.detach().reshape(-1)[piece.param_start:piece.param_start + piece.numel])
+            piece.master.copy_(piece.param.detach().reshape(-1)[piece.param_start : piece.param_start + piece.numel])
 
     def zero_grad(self) -> None:
         for param in self.model_params:
@@ -107,8 +125,9 @@ class DistributedOptimizer(FP32MasterOptimizer):
         for piece in self.pieces:
             piece.master.grad = None
 
-    def step(self, count_zeros: bool = False, *, nonfinite_loss: Poison = False
-             ) -> tuple[bool, Optional[float], Optional[int]]:
+    def step(
+        self, count_zeros: bool = False, *, nonfinite_loss: Poison = False
+    ) -> tuple[bool, Optional[float], Optional[int]]:
         """As MegatronOptimizer.step (ok False: skipped; grad_norm None for an fp16 overflow, the
         non-finite norm for the NaN guard)."""
         self.grad_sync.finish()  # no-op when the schedule already finished this iteration's sync
@@ -116,16 +135,19 @@ class DistributedOptimizer(FP32MasterOptimizer):
         for piece in self.pieces:
             if piece.bucket.grad_shard is None:
                 raise RuntimeError("step() before any backward: no reduce-scattered gradients exist")
-            shard = piece.bucket.grad_shard[piece.shard_start:piece.shard_start + piece.numel]
+            shard = piece.bucket.grad_shard[piece.shard_start : piece.shard_start + piece.numel]
             piece.master.grad = shard if shard.dtype == torch.float32 else shard.float()  # fp16 buffers: fp32 master
             grads.append(piece.master.grad)
         # fp16's overflow flag over every rank of the world: each DP rank holds other pieces of the gradients.
         skipped = self._guard(grads, dist.group.WORLD if dist.is_initialized() else None, nonfinite_loss)
         if skipped is not None:
             return skipped[0], skipped[1], None
-        grad_norm = global_grad_norm([p.master.grad for p in self.pieces if counts_for_norm(p.param)],
-                                     [self.dp_group, ps.get_model_parallel_group()], self.device,
-                                     poison=nonfinite_loss)
+        grad_norm = global_grad_norm(
+            [p.master.grad for p in self.pieces if counts_for_norm(p.param)],
+            [self.dp_group, ps.get_model_parallel_group()],
+            self.device,
+            poison=nonfinite_loss,
+        )
         if not math.isfinite(grad_norm):  # the NaN guard: the same verdict on every rank
             return False, grad_norm, None
         clip_by_norm_(grads, grad_norm, self.clip_grad)
@@ -147,11 +169,11 @@ class DistributedOptimizer(FP32MasterOptimizer):
             shard = full[lo:hi]
             for piece in self.pieces:
                 if piece.bucket is bucket:
-                    shard[piece.shard_start:piece.shard_start + piece.numel].copy_(piece.master)
+                    shard[piece.shard_start : piece.shard_start + piece.numel].copy_(piece.master)
             if self.dp_size > 1:
                 all_gather_into(full, shard.clone(), self.dp_group)
             for param, offset in zip(bucket.params, bucket.offsets):
-                param.data.view(-1).copy_(full[offset:offset + param.numel()])
+                param.data.view(-1).copy_(full[offset : offset + param.numel()])
 
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict:

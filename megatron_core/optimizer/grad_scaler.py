@@ -26,8 +26,15 @@ class ConstantGradScaler:
 
 
 class DynamicGradScaler:
-    def __init__(self, initial_scale: float = 2.0**32, min_scale: float = 1.0, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 1000, hysteresis: int = 2) -> None:
+    def __init__(
+        self,
+        initial_scale: float = 2.0**32,
+        min_scale: float = 1.0,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+    ) -> None:
         if initial_scale <= 0 or min_scale <= 0 or min_scale > initial_scale:
             raise ValueError(f"need 0 < min_scale <= initial_scale (got {min_scale}, {initial_scale})")
         if growth_factor <= 1.0 or not 0.0 < backoff_factor < 1.0:
@@ -55,8 +62,11 @@ class DynamicGradScaler:
                 self.scale = self.scale * self.growth_factor
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "growth_tracker": self.growth_tracker,
-                "hysteresis_tracker": self.hysteresis_tracker}
+        return {
+            "scale": self.scale,
+            "growth_tracker": self.growth_tracker,
+            "hysteresis_tracker": self.hysteresis_tracker,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.scale = float(state["scale"])

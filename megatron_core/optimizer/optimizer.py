@@ -69,8 +69,9 @@ def build_adam(groups: list[dict], settings: AdamSettings, fused_adam_cls=None):
     """(inner optimizer, description). Apex FusedAdam (decoupled wd) when given (the caller checked it runs
     on this device: `training.optimizer: apex`), else torch AdamW fused (one kernel over all tensors) on
     CUDA and on a CPU too: on a CPU, 88M fp32 params take ~60 ms a step fused against 150-430 ms with foreach."""
-    kwargs = dict(lr=settings.lr, betas=(settings.beta1, settings.beta2), eps=settings.eps,
-                  weight_decay=settings.weight_decay)
+    kwargs = dict(
+        lr=settings.lr, betas=(settings.beta1, settings.beta2), eps=settings.eps, weight_decay=settings.weight_decay
+    )
     if fused_adam_cls is not None:
         return fused_adam_cls(groups, adam_w_mode=True, **kwargs), "apex.optimizers.FusedAdam (adam_w_mode)"
     return torch.optim.AdamW(groups, fused=True, **kwargs), "torch.optim.AdamW(fused=True)"
@@ -131,8 +132,11 @@ class FP32MasterOptimizer:
     def _step_count(self) -> int:
         """Adam's step: torch counts per tensor, Apex per group; a resume writes both, and only the
         counting one moves on, so the largest is the current count."""
-        steps = [int(value["step"]) for value in [*self.optimizer.param_groups, *self.optimizer.state.values()]
-                 if "step" in value]
+        steps = [
+            int(value["step"])
+            for value in [*self.optimizer.param_groups, *self.optimizer.state.values()]
+            if "step" in value
+        ]
         return max(steps, default=0)
 
     @torch.no_grad()
@@ -159,8 +163,9 @@ class FP32MasterOptimizer:
             out[key] = _host_copy(state[key]) if key in state else torch.zeros(master.shape, dtype=torch.float32)
         return out
 
-    def _guard(self, grads: list[torch.Tensor], group,
-               nonfinite_loss: Poison) -> Optional[tuple[bool, Optional[float]]]:
+    def _guard(
+        self, grads: list[torch.Tensor], group, nonfinite_loss: Poison
+    ) -> Optional[tuple[bool, Optional[float]]]:
         """Unscale `grads`; (False, norm) when the step must be skipped (see step()), else None."""
         if self.precision == "fp16":
             found = unscale_and_check_overflow(grads, self.loss_scale, group, self.device, poison=nonfinite_loss)
@@ -179,9 +184,17 @@ def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class MegatronOptimizer(FP32MasterOptimizer):
-    def __init__(self, model: torch.nn.Module, settings: AdamSettings, *, precision: str = "fp32",
-                 clip_grad: float = 1.0, grad_scaler=None, device: Optional[torch.device] = None,
-                 fused_adam_cls=None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        settings: AdamSettings,
+        *,
+        precision: str = "fp32",
+        clip_grad: float = 1.0,
+        grad_scaler=None,
+        device: Optional[torch.device] = None,
+        fused_adam_cls=None,
+    ) -> None:
         if precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"precision {precision!r} is not fp32, bf16 or fp16")
         self.precision = precision
@@ -222,8 +235,9 @@ class MegatronOptimizer(FP32MasterOptimizer):
             for m in self.master_params:
                 m.grad = None
 
-    def step(self, count_zeros: bool = False, *, nonfinite_loss: Poison = False
-             ) -> tuple[bool, Optional[float], Optional[int]]:
+    def step(
+        self, count_zeros: bool = False, *, nonfinite_loss: Poison = False
+    ) -> tuple[bool, Optional[float], Optional[int]]:
         """(ok, grad_norm, num_zeros). ok is False when the step was skipped, the same on every rank:
         grad_norm None for an fp16 overflow (the loss scaler backed off), the non-finite norm for the
         NaN guard (a non-finite gradient norm, or `nonfinite_loss` on any rank). `nonfinite_loss` may be a
@@ -235,8 +249,9 @@ class MegatronOptimizer(FP32MasterOptimizer):
             skipped = self._guard(grads, group, nonfinite_loss)
             if skipped is not None:
                 return skipped[0], skipped[1], None
-            grad_norm = global_grad_norm([g for p, g in pairs if counts_for_norm(p)], [group], self.device,
-                                         poison=nonfinite_loss)
+            grad_norm = global_grad_norm(
+                [g for p, g in pairs if counts_for_norm(p)], [group], self.device, poison=nonfinite_loss
+            )
             if not math.isfinite(grad_norm):
                 return False, grad_norm, None
             clip_by_norm_(grads, grad_norm, self.clip_grad)

@@ -25,9 +25,16 @@ from megatron_core import parallel_state as ps
 _ACTIVATION_TAG, _GRADIENT_TAG = 1, 2
 
 
-def _communicate(*, send_next: Optional[torch.Tensor], send_prev: Optional[torch.Tensor],
-                 recv_prev: bool, recv_next: bool, shape: tuple, dtype: torch.dtype,
-                 device: torch.device) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+def _communicate(
+    *,
+    send_next: Optional[torch.Tensor],
+    send_prev: Optional[torch.Tensor],
+    recv_prev: bool,
+    recv_next: bool,
+    shape: tuple,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Send to / receive from the neighbours in one batch. Returns (from_prev, from_next)."""
     group = ps.get_pipeline_model_parallel_group()
     prev_rank, next_rank = ps.get_pipeline_model_parallel_prev_rank(), ps.get_pipeline_model_parallel_next_rank()
@@ -64,17 +71,32 @@ class StageLink:
         self.last = ps.is_pipeline_last_stage()
 
     def _go(self, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
-        return _communicate(send_next=send_next, send_prev=send_prev, recv_prev=recv_prev, recv_next=recv_next,
-                            shape=self.shape, dtype=self.dtype, device=self.device)
+        return _communicate(
+            send_next=send_next,
+            send_prev=send_prev,
+            recv_prev=recv_prev,
+            recv_next=recv_next,
+            shape=self.shape,
+            dtype=self.dtype,
+            device=self.device,
+        )
 
-    def exchange(self, send_next: Optional[torch.Tensor] = None, send_prev: Optional[torch.Tensor] = None,
-                 recv_prev: bool = False,
-                 recv_next: bool = False) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    def exchange(
+        self,
+        send_next: Optional[torch.Tensor] = None,
+        send_prev: Optional[torch.Tensor] = None,
+        recv_prev: bool = False,
+        recv_next: bool = False,
+    ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """Exactly the given sends and receives, in one batch; (from_prev, from_next). The interleaved
         schedule decides itself which directions exist: its chunks pass activations from the last
         stage round to the first (the ring wraps), so stage position alone does not tell."""
-        return self._go(send_next=None if send_next is None else send_next.detach(), send_prev=send_prev,
-                        recv_prev=recv_prev, recv_next=recv_next)
+        return self._go(
+            send_next=None if send_next is None else send_next.detach(),
+            send_prev=send_prev,
+            recv_prev=recv_prev,
+            recv_next=recv_next,
+        )
 
     def recv_forward(self) -> Optional[torch.Tensor]:
         """Activations from the previous stage (None on the first stage)."""

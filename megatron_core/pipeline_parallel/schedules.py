@@ -69,9 +69,13 @@ def _first_param(model: TrainableModel) -> torch.Tensor:
     raise ValueError("the model has no floating-point parameters; cannot infer the activation dtype")
 
 
-def activation_shape(model: TrainableModel, seq_length: int, micro_batch_size: int,
-                     hidden_size: Optional[int] = None, sequence_parallel: Optional[bool] = None
-                     ) -> tuple[int, int, int]:
+def activation_shape(
+    model: TrainableModel,
+    seq_length: int,
+    micro_batch_size: int,
+    hidden_size: Optional[int] = None,
+    sequence_parallel: Optional[bool] = None,
+) -> tuple[int, int, int]:
     """Shape of the tensor sent between stages: [s, b, h], or [s/tp, b, h] with sequence parallelism."""
     if hidden_size is None:
         hidden_size = model.module.config.hidden_size
@@ -88,10 +92,20 @@ class _MicroBatchRunner:
     `model` is the chunk, `sync_model` the model protocol's implementation around every chunk and
     `losses` is shared)."""
 
-    def __init__(self, forward_step_func: ForwardStepFunc, data_iterator, model, num_microbatches: int,
-                 forward_only: bool, loss_scale: float, *, first_stage: Optional[bool] = None,
-                 last_stage: Optional[bool] = None, sync_model: Optional[TrainableModel] = None,
-                 losses: Optional[list] = None):
+    def __init__(
+        self,
+        forward_step_func: ForwardStepFunc,
+        data_iterator,
+        model,
+        num_microbatches: int,
+        forward_only: bool,
+        loss_scale: float,
+        *,
+        first_stage: Optional[bool] = None,
+        last_stage: Optional[bool] = None,
+        sync_model: Optional[TrainableModel] = None,
+        losses: Optional[list] = None,
+    ):
         if num_microbatches < 1:
             raise ValueError(f"num_microbatches must be >= 1 (got {num_microbatches})")
         self.forward_step_func, self.data_iterator, self.model = forward_step_func, data_iterator, model
@@ -115,8 +129,9 @@ class _MicroBatchRunner:
                 output = loss / self.num_microbatches
         return output
 
-    def backward(self, input_tensor: Optional[torch.Tensor], output: torch.Tensor,
-                 output_grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    def backward(
+        self, input_tensor: Optional[torch.Tensor], output: torch.Tensor, output_grad: Optional[torch.Tensor]
+    ) -> Optional[torch.Tensor]:
         """Backward of one micro batch; returns the gradient for the previous stage."""
         self.backwards_done += 1
         is_last_backward = self.backwards_done == self.num_microbatches
@@ -134,9 +149,16 @@ class _MicroBatchRunner:
         return self.losses if self.last_stage else []
 
 
-def forward_backward_no_pipelining(forward_step_func: ForwardStepFunc, data_iterator, model: TrainableModel,
-                                   num_microbatches: int, *, forward_only: bool = False, loss_scale: float = 1.0,
-                                   **_unused_shape_hints) -> list[dict]:
+def forward_backward_no_pipelining(
+    forward_step_func: ForwardStepFunc,
+    data_iterator,
+    model: TrainableModel,
+    num_microbatches: int,
+    *,
+    forward_only: bool = False,
+    loss_scale: float = 1.0,
+    **_unused_shape_hints,
+) -> list[dict]:
     """PP = 1: forward and backward each micro batch in turn, accumulating gradients (no stage sends a
     tensor, so the shape hints the other schedules take, seq_length and micro_batch_size, are not needed)."""
     runner = _MicroBatchRunner(forward_step_func, data_iterator, model, num_microbatches, forward_only, loss_scale)
@@ -148,14 +170,24 @@ def forward_backward_no_pipelining(forward_step_func: ForwardStepFunc, data_iter
 
 
 def forward_backward_pipelining_without_interleaving(
-        forward_step_func: ForwardStepFunc, data_iterator, model: TrainableModel, num_microbatches: int, *,
-        seq_length: int, micro_batch_size: int, forward_only: bool = False, loss_scale: float = 1.0,
-        hidden_size: Optional[int] = None, sequence_parallel: Optional[bool] = None) -> list[dict]:
+    forward_step_func: ForwardStepFunc,
+    data_iterator,
+    model: TrainableModel,
+    num_microbatches: int,
+    *,
+    seq_length: int,
+    micro_batch_size: int,
+    forward_only: bool = False,
+    loss_scale: float = 1.0,
+    hidden_size: Optional[int] = None,
+    sequence_parallel: Optional[bool] = None,
+) -> list[dict]:
     """Megatron's non-interleaved 1F1B schedule for PP > 1."""
     runner = _MicroBatchRunner(forward_step_func, data_iterator, model, num_microbatches, forward_only, loss_scale)
     param = _first_param(model)
-    link = StageLink(activation_shape(model, seq_length, micro_batch_size, hidden_size, sequence_parallel),
-                     param.dtype, param.device)
+    link = StageLink(
+        activation_shape(model, seq_length, micro_batch_size, hidden_size, sequence_parallel), param.dtype, param.device
+    )
     stage, stages = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
     num_warmup = min(stages - stage - 1, num_microbatches)
     num_steady = num_microbatches - num_warmup
@@ -230,9 +262,18 @@ class _SharedMicroBatches:
 
 
 def forward_backward_pipelining_with_interleaving(
-        forward_step_func: ForwardStepFunc, data_iterator, model: TrainableModel, num_microbatches: int, *,
-        seq_length: int, micro_batch_size: int, forward_only: bool = False, loss_scale: float = 1.0,
-        hidden_size: Optional[int] = None, sequence_parallel: Optional[bool] = None) -> list[dict]:
+    forward_step_func: ForwardStepFunc,
+    data_iterator,
+    model: TrainableModel,
+    num_microbatches: int,
+    *,
+    seq_length: int,
+    micro_batch_size: int,
+    forward_only: bool = False,
+    loss_scale: float = 1.0,
+    hidden_size: Optional[int] = None,
+    sequence_parallel: Optional[bool] = None,
+) -> list[dict]:
     """Megatron's interleaved 1F1B over the v model chunks of each PP rank (virtual pipeline stages).
 
     `model.chunks` are the chunks (the model protocol's; megatron_core.models.gpt.GPTModelChunks
@@ -249,21 +290,37 @@ def forward_backward_pipelining_with_interleaving(
     p, r, v = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank(), len(chunks)
     expected = ps.get_virtual_pipeline_model_parallel_world_size()
     if expected is not None and expected != v:
-        raise ValueError(f"the model has {v} chunks but the process groups were built for {expected} virtual "
-                         "pipeline stages per rank")
+        raise ValueError(
+            f"the model has {v} chunks but the process groups were built for {expected} virtual "
+            "pipeline stages per rank"
+        )
     if num_microbatches % p:
-        raise UserError(f"the interleaved pipeline schedule needs the number of micro batches per iteration "
-                        f"({num_microbatches}) to be a multiple of pipeline_model_parallel_size {p}; change "
-                        "global_batch_size, micro_batch_size or the data-parallel size")
+        raise UserError(
+            f"the interleaved pipeline schedule needs the number of micro batches per iteration "
+            f"({num_microbatches}) to be a multiple of pipeline_model_parallel_size {p}; change "
+            "global_batch_size, micro_batch_size or the data-parallel size"
+        )
     param = _first_param(model)
-    link = StageLink(activation_shape(model, seq_length, micro_batch_size, hidden_size, sequence_parallel),
-                     param.dtype, param.device)
+    link = StageLink(
+        activation_shape(model, seq_length, micro_batch_size, hidden_size, sequence_parallel), param.dtype, param.device
+    )
     losses: list[dict] = []
     data = _SharedMicroBatches(data_iterator, v)
-    runners = [_MicroBatchRunner(forward_step_func, data.view(), chunk, num_microbatches, forward_only, loss_scale,
-                                 first_stage=(r == 0 and c == 0), last_stage=(r == p - 1 and c == v - 1),
-                                 sync_model=model, losses=losses)
-               for c, chunk in enumerate(chunks)]
+    runners = [
+        _MicroBatchRunner(
+            forward_step_func,
+            data.view(),
+            chunk,
+            num_microbatches,
+            forward_only,
+            loss_scale,
+            first_stage=(r == 0 and c == 0),
+            last_stage=(r == p - 1 and c == v - 1),
+            sync_model=model,
+            losses=losses,
+        )
+        for c, chunk in enumerate(chunks)
+    ]
     first_chunk = runners[0].first_stage  # rank 0's chunk 0 takes the tokens
     last_chunk = runners[-1].last_stage  # rank p - 1's chunk v - 1 computes the loss
 
@@ -340,8 +397,9 @@ def forward_backward_pipelining_with_interleaving(
         recv_prev, forward_chunk = receive_after(forward_k, True)
         recv_next, backward_chunk = receive_after(backward_k, False)
         recv_prev = recv_prev and i != remaining - 1
-        from_prev, from_next = link.exchange(send_next=send_next, send_prev=send_prev, recv_prev=recv_prev,
-                                             recv_next=recv_next)
+        from_prev, from_next = link.exchange(
+            send_next=send_next, send_prev=send_prev, recv_prev=recv_prev, recv_next=recv_next
+        )
         if recv_prev:
             inputs[forward_chunk].append(from_prev)
         if recv_next:

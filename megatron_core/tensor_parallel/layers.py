@@ -83,8 +83,9 @@ def declare_init(param: torch.Tensor, init_method: InitMethod) -> torch.Tensor:
 
 
 @torch.no_grad()
-def initialize_parameter(param: torch.Tensor, init_method: Optional[InitMethod] = None,
-                         generator: Optional[torch.Generator] = None) -> None:
+def initialize_parameter(
+    param: torch.Tensor, init_method: Optional[InitMethod] = None, generator: Optional[torch.Generator] = None
+) -> None:
     """Fill `param` with this rank's slice of a full master tensor drawn by `init_method` (default:
     the one declared on it; Megatron's `_initialize_affine_weight_cpu`). Parameters on the meta
     device are left alone."""
@@ -104,8 +105,14 @@ def initialize_parameter(param: torch.Tensor, init_method: Optional[InitMethod] 
     param.copy_(master)
 
 
-def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], *,
-                           sequence_parallel: bool = False, gather_output: bool = False) -> torch.Tensor:
+def column_parallel_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    *,
+    sequence_parallel: bool = False,
+    gather_output: bool = False,
+) -> torch.Tensor:
     """y = x W^T + b with W split by output rows. x is replicated ([*, h]) or, under sequence
     parallelism, this rank's sequence chunk ([s/tp, b, h]) that is all-gathered first."""
     if sequence_parallel:
@@ -120,10 +127,21 @@ class ColumnParallelLinear(nn.Module):
     """Linear layer whose output features are split across TP ranks: weight [out/tp, in].
     `vocab_padded`: the output features are the padded vocabulary (an untied output layer)."""
 
-    def __init__(self, input_size: int, output_size: int, *, bias: bool = True, gather_output: bool = False,
-                 init_method: InitMethod = normal_init(0.02), sequence_parallel: bool = False,
-                 skip_bias_add: bool = False, params_dtype: torch.dtype = torch.float32,
-                 device: Optional[torch.device] = None, initialize: bool = True, vocab_padded: bool = False) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool = True,
+        gather_output: bool = False,
+        init_method: InitMethod = normal_init(0.02),
+        sequence_parallel: bool = False,
+        skip_bias_add: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+        device: Optional[torch.device] = None,
+        initialize: bool = True,
+        vocab_padded: bool = False,
+    ) -> None:
         super().__init__()
         world = parallel_state.get_tensor_model_parallel_world_size()
         self.input_size, self.output_size = input_size, output_size
@@ -133,14 +151,17 @@ class ColumnParallelLinear(nn.Module):
         self.skip_bias_add = skip_bias_add
         if sequence_parallel and gather_output:
             raise ValueError("ColumnParallelLinear: gather_output is not supported with sequence_parallel")
-        self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, input_size, dtype=params_dtype,
-                                               device=device))
-        set_tensor_model_parallel_attributes(declare_init(self.weight, init_method), partition_dim=0,
-                                             vocab_padded=vocab_padded)
+        self.weight = nn.Parameter(
+            torch.empty(self.output_size_per_partition, input_size, dtype=params_dtype, device=device)
+        )
+        set_tensor_model_parallel_attributes(
+            declare_init(self.weight, init_method), partition_dim=0, vocab_padded=vocab_padded
+        )
         if bias:
             self.bias = nn.Parameter(torch.empty(self.output_size_per_partition, dtype=params_dtype, device=device))
-            set_tensor_model_parallel_attributes(declare_init(self.bias, zeros_init), partition_dim=0,
-                                                 vocab_padded=vocab_padded)
+            set_tensor_model_parallel_attributes(
+                declare_init(self.bias, zeros_init), partition_dim=0, vocab_padded=vocab_padded
+            )
         else:
             self.register_parameter("bias", None)
         if initialize:
@@ -153,8 +174,9 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor):
         bias = None if self.skip_bias_add else self.bias
-        y = column_parallel_linear(x, self.weight, bias, sequence_parallel=self.sequence_parallel,
-                                   gather_output=self.gather_output)
+        y = column_parallel_linear(
+            x, self.weight, bias, sequence_parallel=self.sequence_parallel, gather_output=self.gather_output
+        )
         return (y, self.bias) if self.skip_bias_add else y
 
 
@@ -165,10 +187,20 @@ class RowParallelLinear(nn.Module):
     parallelism) and the bias, which is whole on every rank, is added AFTER the reduce.
     """
 
-    def __init__(self, input_size: int, output_size: int, *, bias: bool = True, input_is_parallel: bool = True,
-                 init_method: InitMethod = normal_init(0.02), sequence_parallel: bool = False,
-                 skip_bias_add: bool = False, params_dtype: torch.dtype = torch.float32,
-                 device: Optional[torch.device] = None, initialize: bool = True) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        init_method: InitMethod = normal_init(0.02),
+        sequence_parallel: bool = False,
+        skip_bias_add: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+        device: Optional[torch.device] = None,
+        initialize: bool = True,
+    ) -> None:
         super().__init__()
         world = parallel_state.get_tensor_model_parallel_world_size()
         self.input_size, self.output_size = input_size, output_size
@@ -178,12 +210,14 @@ class RowParallelLinear(nn.Module):
         self.skip_bias_add = skip_bias_add
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True")
-        self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition, dtype=params_dtype,
-                                               device=device))
+        self.weight = nn.Parameter(
+            torch.empty(output_size, self.input_size_per_partition, dtype=params_dtype, device=device)
+        )
         set_tensor_model_parallel_attributes(declare_init(self.weight, init_method), partition_dim=1)
         if bias:
-            self.bias = declare_init(nn.Parameter(torch.empty(output_size, dtype=params_dtype, device=device)),
-                                     zeros_init)
+            self.bias = declare_init(
+                nn.Parameter(torch.empty(output_size, dtype=params_dtype, device=device)), zeros_init
+            )
             # Under SP each rank adds the bias to its own sequence chunk: grads must be summed over TP.
             self.bias.sequence_parallel = sequence_parallel
         else:
@@ -215,9 +249,17 @@ class VocabParallelEmbedding(nn.Module):
     with `reduce_scatter_output`, a reduce-scatter along dim 0 for sequence parallelism:
     pass ids as [s, b]) fills them in from their owners."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, init_method: InitMethod = normal_init(0.02),
-                 reduce_scatter_output: bool = False, params_dtype: torch.dtype = torch.float32,
-                 device: Optional[torch.device] = None, initialize: bool = True) -> None:
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        init_method: InitMethod = normal_init(0.02),
+        reduce_scatter_output: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+        device: Optional[torch.device] = None,
+        initialize: bool = True,
+    ) -> None:
         super().__init__()
         world = parallel_state.get_tensor_model_parallel_world_size()
         rank = parallel_state.get_tensor_model_parallel_rank()
@@ -226,10 +268,10 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start_index = rank * self.num_embeddings_per_partition
         self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
         self.reduce_scatter_output = reduce_scatter_output
-        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim, dtype=params_dtype,
-                                               device=device))
-        set_tensor_model_parallel_attributes(declare_init(self.weight, init_method), partition_dim=0,
-                                             vocab_padded=True)
+        self.weight = nn.Parameter(
+            torch.empty(self.num_embeddings_per_partition, embedding_dim, dtype=params_dtype, device=device)
+        )
+        set_tensor_model_parallel_attributes(declare_init(self.weight, init_method), partition_dim=0, vocab_padded=True)
         if initialize:
             self.reset_parameters()
 

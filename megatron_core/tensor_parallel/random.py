@@ -40,8 +40,10 @@ DEVICE_TYPES = ("cpu", "cuda")
 
 def _check_device_type(device_type: str) -> str:
     if device_type not in DEVICE_TYPES:
-        raise UserError(f"the RNG tracker's device type is {device_type!r}; pass the training device's type, "
-                        f"one of {', '.join(DEVICE_TYPES)}")
+        raise UserError(
+            f"the RNG tracker's device type is {device_type!r}; pass the training device's type, "
+            f"one of {', '.join(DEVICE_TYPES)}"
+        )
     return device_type
 
 
@@ -145,8 +147,9 @@ def _tracked_dropout_op(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.
 @_tracked_dropout_op.register_fake
 def _(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ARG001 - a fake takes the op's arguments
     size = _TRACKER.states[MODEL_PARALLEL_RNG].numel() if MODEL_PARALLEL_RNG in _TRACKER.states else 0
-    return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(size, dtype=torch.uint8,
-                                                                                   device="cpu")
+    return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(
+        size, dtype=torch.uint8, device="cpu"
+    )
 
 
 @torch.library.custom_op("megatron::replayed_dropout", mutates_args=())
@@ -231,5 +234,6 @@ def _tracker_preserving_contexts():
 def checkpoint(function: Callable, *args):
     """Recompute `function(*args)` in backward instead of keeping its activations; the losses and
     gradients are identical to running it directly (all RNG states are replayed)."""
-    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True,
-                                             context_fn=_tracker_preserving_contexts)
+    return torch.utils.checkpoint.checkpoint(
+        function, *args, use_reentrant=False, preserve_rng_state=True, context_fn=_tracker_preserving_contexts
+    )

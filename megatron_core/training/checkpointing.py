@@ -64,10 +64,14 @@ from megatron_core.checkpoint_format import (
 from megatron_core.config.model_spec import ModelSpec
 from megatron_core.models.gpt import parameter_sharding
 
+
 def _my_rank() -> tuple[int, int, int]:
     """(tp rank, pp rank, pp size) of this process."""
-    return (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank(),
-            parallel_state.get_pipeline_model_parallel_world_size())
+    return (
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_pipeline_model_parallel_rank(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+    )
 
 
 def _barrier() -> None:
@@ -90,8 +94,13 @@ def get_rng_state() -> dict:
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "random_rng_state": random.getstate(),
-        "np_rng_state": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                         "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "np_rng_state": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
         "torch_rng_state": torch.get_rng_state(),
         "cuda_rng_state": torch.cuda.get_rng_state() if tracker.device_type == "cuda" else None,
         "rng_tracker_states": tracker.get_states(),
@@ -110,8 +119,15 @@ def set_rng_state(state: dict) -> Optional[str]:
     version, internal, gauss = state["random_rng_state"]
     random.setstate((version, tuple(internal), gauss))
     np_state = state["np_rng_state"]
-    np.random.set_state((np_state["kind"], np_state["keys"].numpy().astype(np.uint32), np_state["pos"],
-                         np_state["has_gauss"], np_state["cached_gaussian"]))
+    np.random.set_state(
+        (
+            np_state["kind"],
+            np_state["keys"].numpy().astype(np.uint32),
+            np_state["pos"],
+            np_state["has_gauss"],
+            np_state["cached_gaussian"],
+        )
+    )
     torch.set_rng_state(state["torch_rng_state"])
     if state.get("cuda_rng_state") is not None and tracker.device_type == "cuda":
         torch.cuda.set_rng_state(state["cuda_rng_state"])
@@ -120,11 +136,16 @@ def set_rng_state(state: dict) -> Optional[str]:
         return None
     # Megatron-LM's rng_state has no rng_tracker_device: only the state sizes tell the generator apart.
     saved = state.get("rng_tracker_device")
-    why = (f"they were saved for the {saved} generator and this run trains on {tracker.device_type}"
-           if saved not in (None, tracker.device_type) else tracker.misfit(states))
+    why = (
+        f"they were saved for the {saved} generator and this run trains on {tracker.device_type}"
+        if saved not in (None, tracker.device_type)
+        else tracker.misfit(states)
+    )
     if why is not None:
-        return (f"checkpoint: the dropout RNG tracker states are not restored ({why}): they restart from the "
-                "seed, so dropout inside tensor-parallel regions draws new masks (exact only without dropout)")
+        return (
+            f"checkpoint: the dropout RNG tracker states are not restored ({why}): they restart from the "
+            "seed, so dropout inside tensor-parallel regions draws new masks (exact only without dropout)"
+        )
     tracker.set_states(states)
     return None
 
@@ -134,32 +155,56 @@ def set_rng_state(state: dict) -> Optional[str]:
 # ----------------------------------------------------------------------------------------------
 
 
-def megatron_args(recipe, padded_vocab_size: int, *, iteration: int, consumed_train_samples: int,
-                  params_dtype: str) -> argparse.Namespace:
+def megatron_args(
+    recipe, padded_vocab_size: int, *, iteration: int, consumed_train_samples: int, params_dtype: str
+) -> argparse.Namespace:
     """The `args` Namespace with Megatron's names (what the HF converter and Megatron tools read).
     Only plain Python values, so weights_only loading needs nothing but Namespace itself."""
     m, p, t = recipe.model, recipe.parallel, recipe.training
     return argparse.Namespace(
-        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
-        ffn_hidden_size=m.ffn_size, seq_length=m.seq_length, max_position_embeddings=m.max_position_embeddings,
-        padded_vocab_size=padded_vocab_size, make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
-        hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
-        init_method_std=m.init_method_std, layernorm_epsilon=m.layernorm_epsilon,
-        bias_gelu_fusion=m.bias_gelu_fusion, openai_gelu=m.openai_gelu,
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        ffn_hidden_size=m.ffn_size,
+        seq_length=m.seq_length,
+        max_position_embeddings=m.max_position_embeddings,
+        padded_vocab_size=padded_vocab_size,
+        make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        init_method_std=m.init_method_std,
+        layernorm_epsilon=m.layernorm_epsilon,
+        bias_gelu_fusion=m.bias_gelu_fusion,
+        openai_gelu=m.openai_gelu,
         untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
         tokenizer_type=recipe.tokenizer.tokenizer_type,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
-        pipeline_model_parallel_size=p.pipeline_model_parallel_size, world_size=p.world_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        world_size=p.world_size,
         virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size(m.num_layers),
         num_layers_per_virtual_pipeline_stage=p.num_layers_per_virtual_pipeline_stage,
-        data_parallel_size=p.data_parallel_size, sequence_parallel=p.sequence_parallel,
+        data_parallel_size=p.data_parallel_size,
+        sequence_parallel=p.sequence_parallel,
         use_distributed_optimizer=p.use_distributed_optimizer,
-        micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size, train_iters=t.train_iters,
-        lr=t.lr, min_lr=t.min_lr, lr_decay_style=t.lr_decay_style, lr_warmup_iters=t.lr_warmup_iters,
-        lr_decay_iters=t.decay_iters, weight_decay=t.weight_decay, clip_grad=t.clip_grad,
-        adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
-        fp16=t.fp16, bf16=t.bf16, params_dtype=params_dtype, seed=t.seed,
-        iteration=iteration, consumed_train_samples=consumed_train_samples,
+        micro_batch_size=t.micro_batch_size,
+        global_batch_size=t.global_batch_size,
+        train_iters=t.train_iters,
+        lr=t.lr,
+        min_lr=t.min_lr,
+        lr_decay_style=t.lr_decay_style,
+        lr_warmup_iters=t.lr_warmup_iters,
+        lr_decay_iters=t.decay_iters,
+        weight_decay=t.weight_decay,
+        clip_grad=t.clip_grad,
+        adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2,
+        adam_eps=t.adam_eps,
+        fp16=t.fp16,
+        bf16=t.bf16,
+        params_dtype=params_dtype,
+        seed=t.seed,
+        iteration=iteration,
+        consumed_train_samples=consumed_train_samples,
     )
 
 
@@ -168,9 +213,20 @@ def megatron_args(recipe, padded_vocab_size: int, *, iteration: int, consumed_tr
 # ----------------------------------------------------------------------------------------------
 
 
-def save_checkpoint(save, iteration: int, *, model_state, args: argparse.Namespace, recipe,
-                    optimizer=None, scheduler=None, consumed_train_samples: int, extra: Optional[dict] = None,
-                    save_optim: bool = True, tokenizer_files=None) -> Path:
+def save_checkpoint(
+    save,
+    iteration: int,
+    *,
+    model_state,
+    args: argparse.Namespace,
+    recipe,
+    optimizer=None,
+    scheduler=None,
+    consumed_train_samples: int,
+    extra: Optional[dict] = None,
+    save_optim: bool = True,
+    tokenizer_files=None,
+) -> Path:
     """Write iteration `iteration` atomically; returns the iteration directory. Collective: every
     rank calls it (DP rank 0 of each (TP, PP) writes). `model_state`: the model's state dict, or
     a list of one per virtual pipeline chunk (saved as `model0`, `model1`, ...). The directory
@@ -190,8 +246,13 @@ def save_checkpoint(save, iteration: int, *, model_state, args: argparse.Namespa
     _barrier()
     optim = optimizer.state_dict() if save_optim and optimizer is not None else None
     if optim is not None and optim.get("distributed_optimizer"):  # every DP rank writes its own pieces
-        write_rank_file(save, iteration, *_my_rank(), {"param_state": optimizer.param_state()},
-                        filename=distrib_optim_filename(parallel_state.get_data_parallel_rank()))
+        write_rank_file(
+            save,
+            iteration,
+            *_my_rank(),
+            {"param_state": optimizer.param_state()},
+            filename=distrib_optim_filename(parallel_state.get_data_parallel_rank()),
+        )
     if parallel_state.get_data_parallel_rank() == 0:
         state = {
             "args": args,
@@ -228,8 +289,7 @@ def _publish(save: Path, iteration: int, recipe, tokenizer_files, manifest_name:
     if tokenizer_files:
         write_tokenizer_files(save, *tokenizer_files)
     atomic_write_text(save / RECIPE_FILENAME, recipe.to_yaml())
-    publish_iteration(save, iteration, keep_last=recipe.training.keep_last_checkpoints,
-                      manifest_name=manifest_name)
+    publish_iteration(save, iteration, keep_last=recipe.training.keep_last_checkpoints, manifest_name=manifest_name)
 
 
 def check_can_save(run_dir: Path, save: Path, *, parameters: int, bytes_per_parameter: int) -> None:
@@ -242,16 +302,20 @@ def check_can_save(run_dir: Path, save: Path, *, parameters: int, bytes_per_para
         try:
             where.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise UserError(f"cannot create the {what} {where}: {exc.strerror or exc}; choose a writable path "
-                            "(--run-dir / --save)") from None
+            raise UserError(
+                f"cannot create the {what} {where}: {exc.strerror or exc}; choose a writable path (--run-dir / --save)"
+            ) from None
         if not os.access(where, os.W_OK | os.X_OK):
-            raise UserError(f"the {what} {where} is not writable; fix its permissions or choose another "
-                            "(--run-dir / --save)")
+            raise UserError(
+                f"the {what} {where} is not writable; fix its permissions or choose another (--run-dir / --save)"
+            )
     needed, free = parameters * bytes_per_parameter, shutil.disk_usage(save).free
     if free < needed:
-        raise UserError(f"{save} has {free / 2**30:.2f} GiB free but one checkpoint needs about "
-                        f"{needed / 2**30:.2f} GiB ({parameters:,} parameters x {bytes_per_parameter} bytes); "
-                        "free space or --save elsewhere")
+        raise UserError(
+            f"{save} has {free / 2**30:.2f} GiB free but one checkpoint needs about "
+            f"{needed / 2**30:.2f} GiB ({parameters:,} parameters x {bytes_per_parameter} bytes); "
+            "free space or --save elsewhere"
+        )
 
 
 def check_recipe_compatible(recipe, saved_recipe: dict, saved_hash: str, where: Path) -> list[str]:
@@ -271,7 +335,8 @@ def check_recipe_compatible(recipe, saved_recipe: dict, saved_hash: str, where: 
             f"the checkpoint in {where} was written by recipe {saved_hash}, this run's recipe is {recipe.hash}; "
             f"changed keys that alter training: {', '.join(unsafe)}. Resume with the original recipe, or start "
             "fresh with another --save/--run-dir (only "
-            f"{', '.join(sorted(RESUME_SAFE_KEYS))} may change on resume)")
+            f"{', '.join(sorted(RESUME_SAFE_KEYS))} may change on resume)"
+        )
     return changed
 
 
@@ -287,12 +352,20 @@ def lr_schedule_note(recipe, saved_recipe: dict, iteration: int) -> Optional[str
         return None
 
     def lr(decay_iters: int) -> float:
-        return learning_rate(iteration, max_lr=t.lr, min_lr=t.min_lr, warmup_steps=t.lr_warmup_iters,
-                             decay_steps=decay_iters, decay_style=t.lr_decay_style)
+        return learning_rate(
+            iteration,
+            max_lr=t.lr,
+            min_lr=t.min_lr,
+            warmup_steps=t.lr_warmup_iters,
+            decay_steps=decay_iters,
+            decay_style=t.lr_decay_style,
+        )
 
-    return (f"lr_decay_iters follows train_iters: {before} -> {t.decay_iters}; the learning rate now decays to "
-            f"min_lr at {t.decay_iters} (at iteration {iteration} it is {lr(t.decay_iters):.3g}, where the old "
-            f"schedule had {lr(before):.3g}); set training.lr_decay_iters to keep a schedule fixed")
+    return (
+        f"lr_decay_iters follows train_iters: {before} -> {t.decay_iters}; the learning rate now decays to "
+        f"min_lr at {t.decay_iters} (at iteration {iteration} it is {lr(t.decay_iters):.3g}, where the old "
+        f"schedule had {lr(before):.3g}); set training.lr_decay_iters to keep a schedule fixed"
+    )
 
 
 def set_aside(save: Path) -> Optional[Path]:
@@ -300,8 +373,11 @@ def set_aside(save: Path) -> Optional[Path]:
     iterations never mix with the old run's and a later resume cannot pick an old one. Collective; local
     rank 0 of each node moves its own copy. The new name, or None when there was nothing to move."""
     save, target = Path(save), None
-    if parallel_state.is_local_rank_zero() and save.is_dir() and (
-            published_iterations(save) or (save / TRACKER_FILENAME).exists()):
+    if (
+        parallel_state.is_local_rank_zero()
+        and save.is_dir()
+        and (published_iterations(save) or (save / TRACKER_FILENAME).exists())
+    ):
         target = save.with_name(f"{save.name}.before-from-scratch-{time.strftime('%Y%m%d-%H%M%S')}")
         save.rename(target)
     _barrier()
@@ -326,9 +402,19 @@ class Restored:
     optimizer_state: bool  # the optimizer and LR schedule continue (False: they restart from the loaded weights)
 
 
-def restore(load: Path, recipe, *, chunks: Sequence[torch.nn.Module], optimizer, scheduler, padded_vocab_size: int,
-            log: Callable[[str], None], save: Optional[Path] = None, fallback: bool = True,
-            from_scratch: bool = False) -> Optional[Restored]:
+def restore(
+    load: Path,
+    recipe,
+    *,
+    chunks: Sequence[torch.nn.Module],
+    optimizer,
+    scheduler,
+    padded_vocab_size: int,
+    log: Callable[[str], None],
+    save: Optional[Path] = None,
+    fallback: bool = True,
+    from_scratch: bool = False,
+) -> Optional[Restored]:
     """Resume from the latest checkpoint under `load` that verifies, whatever layout wrote it
     (`load_latest`: falls back to older iterations unless `fallback` is False; `from_scratch` first sets
     `save`'s checkpoints aside and loads nothing). Checks that it fits this run (resume-safe recipe
@@ -349,10 +435,13 @@ def restore(load: Path, recipe, *, chunks: Sequence[torch.nn.Module], optimizer,
     where = iteration_dir(load, iteration)
     tp = recipe.parallel.tensor_model_parallel_size
     if iteration == RELEASE or "recipe" not in state:
-        load_model_weights(state, chunks, optimizer, where, padded_vocab_size=padded_vocab_size,
-                           tensor_model_parallel_size=tp)
-        log(f"initialized the model from the weights in {where}; optimizer, learning-rate schedule and data "
-            "position start from zero")
+        load_model_weights(
+            state, chunks, optimizer, where, padded_vocab_size=padded_vocab_size, tensor_model_parallel_size=tp
+        )
+        log(
+            f"initialized the model from the weights in {where}; optimizer, learning-rate schedule and data "
+            "position start from zero"
+        )
         return Restored(where, 0, 0, 0, 0, training_state=False, optimizer_state=False)
     changed = check_recipe_compatible(recipe, state["recipe"], state["recipe_hash"], load)
     consumed = int(state["consumed_train_samples"])
@@ -362,24 +451,31 @@ def restore(load: Path, recipe, *, chunks: Sequence[torch.nn.Module], optimizer,
     if schedule_note:
         log(schedule_note)
     if "training.train_iters" in changed:  # the GPT dataset's epochs and shuffle are sized by train_iters
-        log("train_iters changed: the data indices are sized for the new length, so past the first epoch the "
+        log(
+            "train_iters changed: the data indices are sized for the new length, so past the first epoch the "
             f"samples still to come are shuffled anew (Megatron does the same); the {consumed} consumed samples "
-            "are not replayed in order")
+            "are not replayed in order"
+        )
     saved_tp = getattr(state["args"], "tensor_model_parallel_size", None)  # Megatron-LM's args may lack it
     live_tp = parallel_state.get_tensor_model_parallel_world_size()
     if saved_tp not in (None, live_tp):
-        log(f"the checkpoint was written under TP {saved_tp}: weights and optimizer state are re-sliced for TP "
-            f"{live_tp}; the dropout RNG streams restart from the seed (exact only without dropout)")
-    load_model_weights(state, chunks, optimizer, load, padded_vocab_size=padded_vocab_size,
-                       tensor_model_parallel_size=tp)
+        log(
+            f"the checkpoint was written under TP {saved_tp}: weights and optimizer state are re-sliced for TP "
+            f"{live_tp}; the dropout RNG streams restart from the seed (exact only without dropout)"
+        )
+    load_model_weights(
+        state, chunks, optimizer, load, padded_vocab_size=padded_vocab_size, tensor_model_parallel_size=tp
+    )
     optimizer_state = "optimizer" in state and "opt_param_scheduler" in state
     if optimizer_state:
         optimizer.load_state_dict(state["optimizer"])  # param_state re-sliced for this layout
         scheduler.load_state_dict(state["opt_param_scheduler"])
     else:
         why = state.get("optimizer_not_loaded", "it has no optimizer state (--no-save-optim)")
-        log(f"checkpoint: {why}: the optimizer and LR restart from the loaded weights; the run is not an exact "
-            "continuation")
+        log(
+            f"checkpoint: {why}: the optimizer and LR restart from the loaded weights; the run is not an exact "
+            "continuation"
+        )
         scheduler.num_steps = consumed  # the LR where the saved run was (Megatron counts samples)
         scheduler.step(0)
     rng_note = set_rng_state(state["rng_state"][0])  # e.g. resumed on another device
@@ -387,12 +483,26 @@ def restore(load: Path, recipe, *, chunks: Sequence[torch.nn.Module], optimizer,
         log(rng_note)
     counters = state.get("train_counters", {})
     log(f"resumed from {where} at iteration {iteration} ({consumed} samples consumed)")
-    return Restored(where, iteration, consumed, int(counters.get("skipped_iterations", 0)),
-                    int(counters.get("nan_iterations", 0)), training_state=True, optimizer_state=optimizer_state)
+    return Restored(
+        where,
+        iteration,
+        consumed,
+        int(counters.get("skipped_iterations", 0)),
+        int(counters.get("nan_iterations", 0)),
+        training_state=True,
+        optimizer_state=optimizer_state,
+    )
 
 
-def load_model_weights(state: dict, chunks: Sequence[torch.nn.Module], optimizer, where, *, padded_vocab_size: int,
-                       tensor_model_parallel_size: int) -> None:
+def load_model_weights(
+    state: dict,
+    chunks: Sequence[torch.nn.Module],
+    optimizer,
+    where,
+    *,
+    padded_vocab_size: int,
+    tensor_model_parallel_size: int,
+) -> None:
     """This rank's weights from a checkpoint dict (load_for_this_rank's) into the model's `chunks`, after
     checking that the vocabulary padding and the number of chunks fit; then the optimizer's fp32 masters
     from them. `where` names the checkpoint in the errors."""
@@ -401,31 +511,42 @@ def load_model_weights(state: dict, chunks: Sequence[torch.nn.Module], optimizer
     if saved_vocab and saved_vocab != padded_vocab_size:  # Megatron pads to divisible_by x TP
         multiple = getattr(args, "make_vocab_size_divisible_by", 1) * getattr(args, "tensor_model_parallel_size", 1)
         tp = tensor_model_parallel_size
-        raise CheckpointError(f"the checkpoint in {where} pads the vocabulary to {saved_vocab} rows (a multiple of "
-                              f"{multiple}), this run to {padded_vocab_size}; pad alike: --set "
-                              f"make_vocab_size_divisible_by={multiple // tp if multiple % tp == 0 else multiple}")
+        raise CheckpointError(
+            f"the checkpoint in {where} pads the vocabulary to {saved_vocab} rows (a multiple of "
+            f"{multiple}), this run to {padded_vocab_size}; pad alike: --set "
+            f"make_vocab_size_divisible_by={multiple // tp if multiple % tp == 0 else multiple}"
+        )
     saved = model_chunks(state, where)
     if len(saved) != len(chunks):
         raise CheckpointError(
             f"the checkpoint in {where} holds {len(saved)} model chunk(s) per rank but this run's model has "
             f"{len(chunks)} (parallel.num_layers_per_virtual_pipeline_stage decides: virtual pipeline stages "
             "hold non-contiguous layers); train with the checkpoint's layout, or re-split it (invoke convert, "
-            "then invoke import-hf with this run's layout)")
+            "then invoke import-hf with this run's layout)"
+        )
     try:
         for stage, nested in zip(chunks, saved):
             stage.load_state_dict(flatten_model_state(nested))
     except RuntimeError as exc:  # shapes or names that do not fit this recipe's model
         first = str(exc).splitlines()
-        raise CheckpointError(f"the weights in {where} do not fit this recipe's model "
-                              f"({' '.join(line.strip() for line in first[1:3]) or first[0]}); "
-                              "check num_layers, hidden_size, heads and the (padded) vocabulary") from None
+        raise CheckpointError(
+            f"the weights in {where} do not fit this recipe's model "
+            f"({' '.join(line.strip() for line in first[1:3]) or first[0]}); "
+            "check num_layers, hidden_size, heads and the (padded) vocabulary"
+        ) from None
     # The fp32 masters were copied from the initial weights when the optimizer was built: without
     # this, a bf16/fp16 run whose checkpoint has no optimizer state would step from random weights.
     optimizer.reload_model_params()
 
 
-def load_latest(load, *, required: bool = False, fallback: bool = True, from_scratch: bool = False,
-                log: Optional[Callable[[str], None]] = None) -> Optional[tuple[int, dict]]:
+def load_latest(
+    load,
+    *,
+    required: bool = False,
+    fallback: bool = True,
+    from_scratch: bool = False,
+    log: Optional[Callable[[str], None]] = None,
+) -> Optional[tuple[int, dict]]:
     """(iteration, this rank's checkpoint dict) of the latest checkpoint under `load` that verifies,
     or None; see `load_for_this_rank` for what the dict holds when the checkpoint was written under
     another layout. Collective. The tracker names the latest; without a usable tracker the newest
@@ -443,8 +564,10 @@ def load_latest(load, *, required: bool = False, fallback: bool = True, from_scr
     iterations = published_iterations(load)
     if from_scratch:
         if iterations or raw is not None:
-            say(f"--from-scratch: ignoring the checkpoints in {load}; training starts from iteration 0 and "
-                "its saves replace them")
+            say(
+                f"--from-scratch: ignoring the checkpoints in {load}; training starts from iteration 0 and "
+                "its saves replace them"
+            )
         return None
     if tracked == RELEASE:
         candidates = [(RELEASE, iteration_dir(load, RELEASE))]
@@ -483,12 +606,16 @@ def load_latest(load, *, required: bool = False, fallback: bool = True, from_scr
         failed.append(where.name)
         first_error = first_error or error
         if not fallback:
-            raise CheckpointError(f"checkpoint {where} fails verification or cannot be read (see the log) and "
-                                  "--no-fallback was given: repair or remove it, or drop --no-fallback to resume "
-                                  "from the newest older iteration that verifies")
-    raise CheckpointError(f"{load} holds iteration directories but none loads ({', '.join(failed)}); the newest: "
-                          f"{first_error}. Copy a good checkpoint there, --load another directory, or pass "
-                          "--from-scratch to start over (its saves replace them)")
+            raise CheckpointError(
+                f"checkpoint {where} fails verification or cannot be read (see the log) and "
+                "--no-fallback was given: repair or remove it, or drop --no-fallback to resume "
+                "from the newest older iteration that verifies"
+            )
+    raise CheckpointError(
+        f"{load} holds iteration directories but none loads ({', '.join(failed)}); the newest: "
+        f"{first_error}. Copy a good checkpoint there, --load another directory, or pass "
+        "--from-scratch to start over (its saves replace them)"
+    )
 
 
 def _on_every_rank(ok: bool, iteration, load: Path) -> bool:
@@ -500,9 +627,11 @@ def _on_every_rank(ok: bool, iteration, load: Path) -> bool:
     found = torch.tensor([int(ok), code, -code], dtype=torch.int64, device=device)
     dist.all_reduce(found, op=dist.ReduceOp.MIN)
     if int(found[1]) != -int(found[2]):
-        raise CheckpointError(f"the ranks tried different checkpoints under {load} (iterations {int(found[1])} to "
-                              f"{-int(found[2])}): on nodes without a shared filesystem copy every node's "
-                              "checkpoint files into one directory and resume from it (--load DIR)")
+        raise CheckpointError(
+            f"the ranks tried different checkpoints under {load} (iterations {int(found[1])} to "
+            f"{-int(found[2])}): on nodes without a shared filesystem copy every node's "
+            "checkpoint files into one directory and resume from it (--load DIR)"
+        )
     return bool(found[0])
 
 
@@ -518,11 +647,15 @@ def _check_every_rank_found(iteration, load: Path) -> None:
     dist.all_reduce(found, op=dist.ReduceOp.MAX)
     highest, lowest = int(found[0]), -int(found[1])
     if highest != lowest:
+
         def name(c):
             return {-1: "none", -2: RELEASE, -3: "an unreadable tracker"}.get(c, str(c))
-        raise CheckpointError(f"the ranks found different latest checkpoints under {load} (from {name(lowest)} to "
-                              f"{name(highest)}): on nodes without a shared filesystem copy every node's checkpoint "
-                              "files into one directory and resume from it (--load DIR)")
+
+        raise CheckpointError(
+            f"the ranks found different latest checkpoints under {load} (from {name(lowest)} to "
+            f"{name(highest)}): on nodes without a shared filesystem copy every node's checkpoint "
+            "files into one directory and resume from it (--load DIR)"
+        )
 
 
 def load_for_this_rank(iter_dir: Path) -> dict:
@@ -537,8 +670,11 @@ def load_for_this_rank(iter_dir: Path) -> dict:
     full copy of weights and optimizer state in CPU memory while slicing). The other keys (args,
     recipe, counters, RNG) come from the saved rank that holds this rank's first layer."""
     files = find_rank_files(iter_dir)
-    tp, pp, tp_rank, pp_rank = (parallel_state.get_tensor_model_parallel_world_size(),
-                                parallel_state.get_pipeline_model_parallel_world_size(), *_my_rank()[:2])
+    tp, pp, tp_rank, pp_rank = (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        *_my_rank()[:2],
+    )
     chunks = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
     first_pos = (tp_rank, pp_rank) if (tp_rank, pp_rank) in files else min(files)
     first = load_checkpoint_file(files[first_pos])
@@ -553,31 +689,48 @@ def load_for_this_rank(iter_dir: Path) -> dict:
     else:
         num_layers = args.num_layers
         # The saved rank holding this rank's first layer gives the RNG and the other keys.
-        mine_first = parallel_state.stage_layers(num_layers, pp, pp_rank, virtual_rank=0,
-                                                 num_layers_per_virtual_pipeline_stage=_chunk_layers(
-                                                     num_layers, pp, chunks)).start
+        mine_first = parallel_state.stage_layers(
+            num_layers,
+            pp,
+            pp_rank,
+            virtual_rank=0,
+            num_layers_per_virtual_pipeline_stage=_chunk_layers(num_layers, pp, chunks),
+        ).start
         saved_position = mine_first // (num_layers // (saved_pp * saved_chunks))
         source = (min(tp_rank, saved_tp - 1), saved_position % saved_pp)
         loaded = {pos: first if pos == first_pos else load_checkpoint_file(path) for pos, path in files.items()}
         per_rank = {pos: _rank_states(iter_dir, pos, saved_pp, ck, files[pos]) for pos, ck in loaded.items()}
         tied = "output_layer.weight" not in per_rank[(0, saved_pp - 1)][0][saved_chunks - 1]
         # The saved model's parameters, as its layers split them (tied or not as the files hold it).
-        sharding = parameter_sharding(ModelSpec.from_args(args).to_model_config(
-            untie_embeddings_and_output_weights=not tied))
+        sharding = parameter_sharding(
+            ModelSpec.from_args(args).to_model_config(untie_embeddings_and_output_weights=not tied)
+        )
 
         def mine(parts: dict) -> list[dict]:
-            return split_chunked_state(merge_chunked_states(parts, saved_tp, saved_pp, sharding), tp, pp, tp_rank,
-                                       pp_rank, chunks, num_layers=num_layers, tied=tied, sharding=sharding)
+            return split_chunked_state(
+                merge_chunked_states(parts, saved_tp, saved_pp, sharding),
+                tp,
+                pp,
+                tp_rank,
+                pp_rank,
+                chunks,
+                num_layers=num_layers,
+                tied=tied,
+                sharding=sharding,
+            )
 
         state = loaded[source]
         model = mine({pos: model for pos, (model, _) in per_rank.items()})
         optim = None
         if all(o is not None for _, o in per_rank.values()):
-            by_key = {key: mine({pos: [{n: e[key] for n, e in c.items()} for c in o]
-                                 for pos, (_, o) in per_rank.items()})
-                      for key in OPTIM_STATE_KEYS}
-            optim = [{name: {key: by_key[key][c][name] for key in OPTIM_STATE_KEYS} for name in by_key["exp_avg"][c]}
-                     for c in range(chunks)]
+            by_key = {
+                key: mine({pos: [{n: e[key] for n, e in c.items()} for c in o] for pos, (_, o) in per_rank.items()})
+                for key in OPTIM_STATE_KEYS
+            }
+            optim = [
+                {name: {key: by_key[key][c][name] for key in OPTIM_STATE_KEYS} for name in by_key["exp_avg"][c]}
+                for c in range(chunks)
+            ]
         if tp != saved_tp and state.get("rng_state"):  # the TP tracker's streams are per TP rank
             state["rng_state"][0]["rng_tracker_states"] = None
     for key in [k for k in state if is_model_key(k)]:
@@ -586,8 +739,9 @@ def load_for_this_rank(iter_dir: Path) -> dict:
     if optim is not None:
         state["optimizer"]["param_state"] = _optimizer_names(optim)
     elif state.pop("optimizer", None) is not None:  # saved, but in a form we cannot read back per parameter
-        state["optimizer_not_loaded"] = ("its optimizer state is in a form this project cannot read per parameter "
-                                         "(Megatron-LM's own)")
+        state["optimizer_not_loaded"] = (
+            "its optimizer state is in a form this project cannot read per parameter (Megatron-LM's own)"
+        )
     return state
 
 
@@ -625,14 +779,19 @@ def _rank_states(iter_dir: Path, pos: tuple[int, int], pp_size: int, ckpt: dict,
         return model, None
     named = _optimizer_names(model)  # the weights under the optimizer's names
     if optim.get("distributed_optimizer"):
-        param_state = _glue_dp_pieces(iter_dir / rank_dirname(*pos, pp_size), ckpt["args"].data_parallel_size,
-                                      named)
+        param_state = _glue_dp_pieces(iter_dir / rank_dirname(*pos, pp_size), ckpt["args"].data_parallel_size, named)
     elif "param_state" in optim:
         param_state = optim["param_state"]
     else:  # Megatron-LM's own: weights only (the trainer says the optimizer restarts)
         return model, None
-    entries = {name: {"fp32_param": entry.get("fp32_param", named[name].float()), "exp_avg": entry["exp_avg"],
-                      "exp_avg_sq": entry["exp_avg_sq"]} for name, entry in param_state.items()}
+    entries = {
+        name: {
+            "fp32_param": entry.get("fp32_param", named[name].float()),
+            "exp_avg": entry["exp_avg"],
+            "exp_avg_sq": entry["exp_avg_sq"],
+        }
+        for name, entry in param_state.items()
+    }
     return model, _chunk_entries(entries, len(model))
 
 
@@ -641,8 +800,10 @@ def _glue_dp_pieces(rank_dir: Path, dp_size: int, model: dict) -> dict:
     names = [distrib_optim_filename(r) for r in range(dp_size)]
     missing = [n for n in names if not (rank_dir / n).exists()]
     if missing:
-        raise CheckpointError(f"{rank_dir} lacks {', '.join(missing)} (the distributed optimizer state of "
-                              f"{len(missing)} of {dp_size} DP ranks); copy the whole iteration folder")
+        raise CheckpointError(
+            f"{rank_dir} lacks {', '.join(missing)} (the distributed optimizer state of "
+            f"{len(missing)} of {dp_size} DP ranks); copy the whole iteration folder"
+        )
     full: dict[str, dict[str, torch.Tensor]] = {}
     covered = dict.fromkeys(model, 0)
     for name_of_file in names:
@@ -650,10 +811,12 @@ def _glue_dp_pieces(rank_dir: Path, dp_size: int, model: dict) -> dict:
             start, numel = piece["start"], piece["fp32_param"].numel()
             for key in OPTIM_STATE_KEYS:
                 flat = full.setdefault(name, {}).setdefault(key, torch.zeros(model[name].numel()))
-                flat[start:start + numel] = piece[key]
+                flat[start : start + numel] = piece[key]
             covered[name] += numel
     gaps = [n for n, count in covered.items() if count != model[n].numel()]
     if gaps:
-        raise CheckpointError(f"{rank_dir}: the distributed optimizer files do not cover {gaps[:3]} exactly once; "
-                              "they come from different saves: copy one checkpoint's folder")
+        raise CheckpointError(
+            f"{rank_dir}: the distributed optimizer files do not cover {gaps[:3]} exactly once; "
+            "they come from different saves: copy one checkpoint's folder"
+        )
     return {name: {k: t.view(model[name].shape) for k, t in entry.items()} for name, entry in full.items()}

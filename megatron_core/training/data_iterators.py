@@ -42,13 +42,15 @@ def _host_group(group):
     if _carries_host_tensors(group):
         return group
     if group not in _HOST_GROUPS:
-        _HOST_GROUPS[group] = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
-                                             use_local_synchronization=True)
+        _HOST_GROUPS[group] = dist.new_group(
+            dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True
+        )
     return _HOST_GROUPS[group]
 
 
-def _read_batches(dataset, *, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
-                  wrap: bool, pin: bool) -> Iterator[dict]:
+def _read_batches(
+    dataset, *, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int, wrap: bool, pin: bool
+) -> Iterator[dict]:
     step = micro_batch_size * dp_size
     start = consumed_samples
     size = len(dataset)
@@ -87,8 +89,7 @@ def _produce(source: Iterator[dict], q: "queue.Queue", stop: threading.Event) ->
 class PrefetchingBatches:
     """Iterator of micro batches (dicts of [micro_batch_size, ...] tensors on `device`)."""
 
-    def __init__(self, source: Optional[Iterator[dict]], device: torch.device, depth: int = 2,
-                 tp_group=None) -> None:
+    def __init__(self, source: Optional[Iterator[dict]], device: torch.device, depth: int = 2, tp_group=None) -> None:
         self.device, self.tp_group = device, tp_group
         self.status_group = _host_group(tp_group) if tp_group is not None else None
         # The status lives in host memory and is read through its numpy view: never a device tensor.
@@ -100,8 +101,9 @@ class PrefetchingBatches:
         self._queue: "queue.Queue" = queue.Queue(maxsize=max(depth, 1))
         self._thread = None
         if source is not None:  # TP ranks other than 0 read nothing
-            self._thread = threading.Thread(target=_produce, args=(source, self._queue, self._stop), daemon=True,
-                                            name="batch-prefetch")
+            self._thread = threading.Thread(
+                target=_produce, args=(source, self._queue, self._stop), daemon=True, name="batch-prefetch"
+            )
             self._thread.start()
 
     def __iter__(self) -> "PrefetchingBatches":
@@ -160,13 +162,32 @@ class PrefetchingBatches:
         self._stop.set()
 
 
-def batch_iterator(dataset, *, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
-                   device: torch.device, wrap: bool = False, prefetch: int = 2) -> PrefetchingBatches:
+def batch_iterator(
+    dataset,
+    *,
+    consumed_samples: int,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    device: torch.device,
+    wrap: bool = False,
+    prefetch: int = 2,
+) -> PrefetchingBatches:
     """Micro batches from `consumed_samples` on. With wrap=True the index runs round the dataset
     (validation, whose size Megatron sizes for every evaluation anyway)."""
     tp_group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
     reads = tp_group is None or ps.get_tensor_model_parallel_rank() == 0
-    source = _read_batches(dataset, consumed_samples=consumed_samples, micro_batch_size=micro_batch_size,
-                           dp_rank=dp_rank, dp_size=dp_size, wrap=wrap,
-                           pin=device.type == "cuda") if reads else None
+    source = (
+        _read_batches(
+            dataset,
+            consumed_samples=consumed_samples,
+            micro_batch_size=micro_batch_size,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            wrap=wrap,
+            pin=device.type == "cuda",
+        )
+        if reads
+        else None
+    )
     return PrefetchingBatches(source, device, depth=prefetch, tp_group=tp_group)

@@ -28,8 +28,16 @@ DEVICE_PEAK_TFLOPS: list[tuple[str, float, float]] = [
 ]
 
 
-def model_flops_per_iteration(*, global_batch_size: int, seq_length: int, num_layers: int, hidden_size: int,
-                              ffn_hidden_size: int, padded_vocab_size: int, full_recompute: bool = False) -> float:
+def model_flops_per_iteration(
+    *,
+    global_batch_size: int,
+    seq_length: int,
+    num_layers: int,
+    hidden_size: int,
+    ffn_hidden_size: int,
+    padded_vocab_size: int,
+    full_recompute: bool = False,
+) -> float:
     b, s, L, h, f, v = global_batch_size, seq_length, num_layers, hidden_size, ffn_hidden_size, padded_vocab_size
     forward_per_token = L * (2 * (4 * h * h + 2 * h * f) + 4 * s * h) + 2 * v * h
     passes = 4 if full_recompute else 3

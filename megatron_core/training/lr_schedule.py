@@ -22,8 +22,9 @@ from megatron_core.errors import UserError
 DECAY_STYLES = ("constant", "linear", "cosine")
 
 
-def learning_rate(num_steps: int, *, max_lr: float, min_lr: float, warmup_steps: int, decay_steps: int,
-                  decay_style: str) -> float:
+def learning_rate(
+    num_steps: int, *, max_lr: float, min_lr: float, warmup_steps: int, decay_steps: int, decay_style: str
+) -> float:
     """The learning rate after `num_steps` successful steps (pure function, for tests and plots)."""
     if warmup_steps > 0 and num_steps <= warmup_steps:
         return max_lr * float(num_steps) / float(warmup_steps)
@@ -44,14 +45,25 @@ def learning_rate(num_steps: int, *, max_lr: float, min_lr: float, warmup_steps:
 class OptimizerParamScheduler:
     """Sets `lr` of every param group of `optimizer` (anything with `.param_groups`) each step."""
 
-    def __init__(self, optimizer, *, max_lr: float, min_lr: float, warmup_steps: int, decay_steps: int,
-                 decay_style: str, weight_decay: float = 0.0, steps_per_iteration: int = 1) -> None:
+    def __init__(
+        self,
+        optimizer,
+        *,
+        max_lr: float,
+        min_lr: float,
+        warmup_steps: int,
+        decay_steps: int,
+        decay_style: str,
+        weight_decay: float = 0.0,
+        steps_per_iteration: int = 1,
+    ) -> None:
         if decay_style not in DECAY_STYLES:
             raise UserError(f"lr_decay_style {decay_style!r} is not one of {', '.join(DECAY_STYLES)}")
         if decay_style != "constant" and decay_steps <= warmup_steps:
             raise UserError(
                 f"lr_decay_iters {decay_steps} must be greater than lr_warmup_iters {warmup_steps} for "
-                f"'{decay_style}' decay; raise lr_decay_iters (or train_iters) or lower lr_warmup_iters")
+                f"'{decay_style}' decay; raise lr_decay_iters (or train_iters) or lower lr_warmup_iters"
+            )
         self.optimizer = optimizer
         self.max_lr, self.min_lr = float(max_lr), float(min_lr)
         self.warmup_steps, self.decay_steps = int(warmup_steps), int(decay_steps)
@@ -65,18 +77,30 @@ class OptimizerParamScheduler:
     def for_training(cls, optimizer, training) -> "OptimizerParamScheduler":
         """Megatron's scheduler of an iteration-based run: everything counted in samples."""
         b = training.global_batch_size
-        return cls(optimizer, max_lr=training.lr, min_lr=training.min_lr, warmup_steps=training.lr_warmup_iters * b,
-                   decay_steps=training.decay_iters * b, decay_style=training.lr_decay_style,
-                   weight_decay=training.weight_decay, steps_per_iteration=b)
+        return cls(
+            optimizer,
+            max_lr=training.lr,
+            min_lr=training.min_lr,
+            warmup_steps=training.lr_warmup_iters * b,
+            decay_steps=training.decay_iters * b,
+            decay_style=training.lr_decay_style,
+            weight_decay=training.weight_decay,
+            steps_per_iteration=b,
+        )
 
     def step_iteration(self) -> float:
         """One successful optimizer step: the global batch's samples."""
         return self.step(self.steps_per_iteration)
 
     def get_lr(self) -> float:
-        return learning_rate(self.num_steps, max_lr=self.max_lr, min_lr=self.min_lr,
-                             warmup_steps=self.warmup_steps, decay_steps=self.decay_steps,
-                             decay_style=self.decay_style)
+        return learning_rate(
+            self.num_steps,
+            max_lr=self.max_lr,
+            min_lr=self.min_lr,
+            warmup_steps=self.warmup_steps,
+            decay_steps=self.decay_steps,
+            decay_style=self.decay_style,
+        )
 
     def step(self, increment: int = 1) -> float:
         self.num_steps += increment
@@ -87,10 +111,18 @@ class OptimizerParamScheduler:
 
     # Megatron's keys and units, so Megatron-LM reads ours and we read its.
     def state_dict(self) -> dict:
-        return {"max_lr": self.max_lr, "min_lr": self.min_lr, "lr_warmup_steps": self.warmup_steps,
-                "lr_decay_steps": self.decay_steps, "lr_decay_style": self.decay_style,
-                "num_steps": self.num_steps, "start_wd": self.weight_decay, "end_wd": self.weight_decay,
-                "wd_incr_steps": self.decay_steps, "wd_incr_style": "constant"}
+        return {
+            "max_lr": self.max_lr,
+            "min_lr": self.min_lr,
+            "lr_warmup_steps": self.warmup_steps,
+            "lr_decay_steps": self.decay_steps,
+            "lr_decay_style": self.decay_style,
+            "num_steps": self.num_steps,
+            "start_wd": self.weight_decay,
+            "end_wd": self.weight_decay,
+            "wd_incr_steps": self.decay_steps,
+            "wd_incr_style": "constant",
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the position; the schedule's shape comes from the (possibly changed) recipe, as

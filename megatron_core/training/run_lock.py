@@ -94,8 +94,10 @@ def _create(path: Path, me: dict) -> bool:
     except FileExistsError:
         return False
     except OSError as exc:
-        raise UserError(f"cannot write the run lock {path}: {exc.strerror}; the run directory must be writable "
-                        "(choose another --workdir or --run-dir)") from None
+        raise UserError(
+            f"cannot write the run lock {path}: {exc.strerror}; the run directory must be writable "
+            "(choose another --workdir or --run-dir)"
+        ) from None
     with os.fdopen(fd, "w") as handle:
         handle.write(json.dumps(me))
         handle.flush()
@@ -109,8 +111,10 @@ def _mutex(run_dir: Path):
     try:
         handle = open(run_dir / (LOCK_FILENAME + ".mutex"), "a")
     except OSError as exc:
-        raise UserError(f"cannot write in the run directory {run_dir}: {exc.strerror}; it must be writable "
-                        "(choose another --workdir or --run-dir)") from None
+        raise UserError(
+            f"cannot write in the run directory {run_dir}: {exc.strerror}; it must be writable "
+            "(choose another --workdir or --run-dir)"
+        ) from None
     with handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
@@ -128,10 +132,16 @@ def acquire(run_dir: Path, job: Optional[str] = None, log: Callable[[str], None]
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise UserError(f"cannot create the run directory {run_dir}: {exc.strerror}; choose a writable "
-                        "--workdir (or --run-dir)") from None
-    me = {"job": job or f"process:{uuid.uuid4().hex}", "host": socket.gethostname(), "pid": os.getpid(),
-          "boot": _boot_id(), "ticks": _start_ticks(os.getpid())}
+        raise UserError(
+            f"cannot create the run directory {run_dir}: {exc.strerror}; choose a writable --workdir (or --run-dir)"
+        ) from None
+    me = {
+        "job": job or f"process:{uuid.uuid4().hex}",
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "boot": _boot_id(),
+        "ticks": _start_ticks(os.getpid()),
+    }
     with _mutex(run_dir):
         if _create(path, me):
             return path
@@ -140,16 +150,20 @@ def acquire(run_dir: Path, job: Optional[str] = None, log: Callable[[str], None]
             return None  # another node of this job made it
         if holder is None or (holder and _holder_is_gone(holder)):
             if holder:
-                log(f"run lock: {path} was left by process {holder.get('pid')} on {holder.get('host')}, which is "
-                    "gone; taking it over")
+                log(
+                    f"run lock: {path} was left by process {holder.get('pid')} on {holder.get('host')}, which is "
+                    "gone; taking it over"
+                )
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
             if _create(path, me):
                 return path
             holder = _read(path) or {}
     who = f"process {holder.get('pid')} on host {holder.get('host')}" if holder else "an unreadable lock file"
-    raise RunLocked(f"{run_dir} is in use by {who} ({path}): wait for that run to finish, or train into "
-                    "another directory; if that process is dead (e.g. its node was lost), delete the lock file")
+    raise RunLocked(
+        f"{run_dir} is in use by {who} ({path}): wait for that run to finish, or train into "
+        "another directory; if that process is dead (e.g. its node was lost), delete the lock file"
+    )
 
 
 def release(path: Optional[Path]) -> None:

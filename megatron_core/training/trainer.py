@@ -72,11 +72,28 @@ class NonFiniteTrainingError(UserError):
 
 
 class Trainer:
-    def __init__(self, recipe, model: TrainableModel, datasets, padded_vocab_size: int, run_dir: Path, *,
-                 optimizer, device: torch.device, save: Optional[Path], load: Optional[Path],
-                 save_optim: bool = True, params_dtype: str = "float32", logger: Optional[RunLogger] = None,
-                 forward_backward_func=None, device_name: str = "cpu", precision: str = "fp32",
-                 tokenizer_files=None, resume_fallback: bool = True, from_scratch: bool = False) -> None:
+    def __init__(
+        self,
+        recipe,
+        model: TrainableModel,
+        datasets,
+        padded_vocab_size: int,
+        run_dir: Path,
+        *,
+        optimizer,
+        device: torch.device,
+        save: Optional[Path],
+        load: Optional[Path],
+        save_optim: bool = True,
+        params_dtype: str = "float32",
+        logger: Optional[RunLogger] = None,
+        forward_backward_func=None,
+        device_name: str = "cpu",
+        precision: str = "fp32",
+        tokenizer_files=None,
+        resume_fallback: bool = True,
+        from_scratch: bool = False,
+    ) -> None:
         from megatron_core.pipeline_parallel import get_forward_backward_func
 
         self.recipe, self.model, self.device = recipe, model, device
@@ -97,9 +114,14 @@ class Trainer:
         self.num_micro_batches = recipe.num_micro_batches
         m = recipe.model
         self.flops_per_iteration = flops_lib.model_flops_per_iteration(
-            global_batch_size=t.global_batch_size, seq_length=m.seq_length, num_layers=m.num_layers,
-            hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_size, padded_vocab_size=padded_vocab_size,
-            full_recompute=recipe.parallel.recompute_granularity == "full")
+            global_batch_size=t.global_batch_size,
+            seq_length=m.seq_length,
+            num_layers=m.num_layers,
+            hidden_size=m.hidden_size,
+            ffn_hidden_size=m.ffn_size,
+            padded_vocab_size=padded_vocab_size,
+            full_recompute=recipe.parallel.recompute_granularity == "full",
+        )
         self.peak_tflops = flops_lib.device_peak_tflops(device_name, precision) if device.type == "cuda" else None
         self._stop_signal: Optional[int] = None
 
@@ -109,10 +131,18 @@ class Trainer:
         optimizer state, weights-only starts) is checkpointing.restore's; the loop takes the counters."""
         if self.load_dir is None:
             return
-        restored = ckpt.restore(self.load_dir, self.recipe, chunks=self.model.chunks, optimizer=self.optimizer,
-                                scheduler=self.scheduler, padded_vocab_size=self.padded_vocab_size,
-                                log=self.logger.info, save=self.save_dir, fallback=self.resume_fallback,
-                                from_scratch=self.from_scratch)
+        restored = ckpt.restore(
+            self.load_dir,
+            self.recipe,
+            chunks=self.model.chunks,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            padded_vocab_size=self.padded_vocab_size,
+            log=self.logger.info,
+            save=self.save_dir,
+            fallback=self.resume_fallback,
+            from_scratch=self.from_scratch,
+        )
         if restored is None:
             if self.from_scratch:
                 self.logger.truncate_after(0)  # the old run's metrics would read as this run's
@@ -134,19 +164,30 @@ class Trainer:
             where = f" ({bad})" if bad else " (on another rank)"
             raise NonFiniteTrainingError(
                 f"iteration {s.iteration}: the weights hold NaN/inf values{where}; no checkpoint is saved from "
-                f"them, {self.save_dir} keeps its last good one: lower training.lr and resume from it")
-        args = ckpt.megatron_args(self.recipe, self.padded_vocab_size, iteration=s.iteration,
-                                  consumed_train_samples=s.consumed_train_samples, params_dtype=self.params_dtype)
+                f"them, {self.save_dir} keeps its last good one: lower training.lr and resume from it"
+            )
+        args = ckpt.megatron_args(
+            self.recipe,
+            self.padded_vocab_size,
+            iteration=s.iteration,
+            consumed_train_samples=s.consumed_train_samples,
+            params_dtype=self.params_dtype,
+        )
         start = time.time()
         path = ckpt.save_checkpoint(
-            self.save_dir, s.iteration, model_state=[stage.state_dict() for stage in self.model.chunks],
-            args=args, recipe=self.recipe,
-            optimizer=self.optimizer, scheduler=self.scheduler, consumed_train_samples=s.consumed_train_samples,
-            extra={"train_counters": {"skipped_iterations": s.skipped_iterations,
-                                      "nan_iterations": s.nan_iterations}},
-            save_optim=self.save_optim, tokenizer_files=self.tokenizer_files)
-        self.logger.info(f"saved checkpoint at iteration {s.iteration:7d} to {path} "
-                         f"({time.time() - start:.2f} s)")
+            self.save_dir,
+            s.iteration,
+            model_state=[stage.state_dict() for stage in self.model.chunks],
+            args=args,
+            recipe=self.recipe,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            consumed_train_samples=s.consumed_train_samples,
+            extra={"train_counters": {"skipped_iterations": s.skipped_iterations, "nan_iterations": s.nan_iterations}},
+            save_optim=self.save_optim,
+            tokenizer_files=self.tokenizer_files,
+        )
+        self.logger.info(f"saved checkpoint at iteration {s.iteration:7d} to {path} ({time.time() - start:.2f} s)")
         return path
 
     @torch.no_grad()
@@ -180,17 +221,29 @@ class Trainer:
         if dataset is None or iters <= 0:
             return None
         t = self.recipe.training
-        iterator = batch_iterator(dataset, consumed_samples=consumed, micro_batch_size=t.micro_batch_size,
-                                  dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
-                                  device=self.device, wrap=True)
+        iterator = batch_iterator(
+            dataset,
+            consumed_samples=consumed,
+            micro_batch_size=t.micro_batch_size,
+            dp_rank=ps.get_data_parallel_rank(),
+            dp_size=ps.get_data_parallel_world_size(),
+            device=self.device,
+            wrap=True,
+        )
         self.model.eval()
         total, count = None, 0  # the sum stays on the device: one read for the whole evaluation
         try:
             with torch.no_grad():
                 for _ in range(iters):
-                    losses = self.forward_backward(gpt_forward_step, iterator, self.model, self.num_micro_batches,
-                                                   seq_length=self.recipe.model.seq_length,
-                                                   micro_batch_size=t.micro_batch_size, forward_only=True)
+                    losses = self.forward_backward(
+                        gpt_forward_step,
+                        iterator,
+                        self.model,
+                        self.num_micro_batches,
+                        seq_length=self.recipe.model.seq_length,
+                        micro_batch_size=t.micro_batch_size,
+                        forward_only=True,
+                    )
                     if losses:
                         part = _loss_sum(losses)
                         total = part if total is None else total + part
@@ -218,9 +271,16 @@ class Trainer:
         t = self.recipe.training
         self.model.zero_grad_buffer()  # gradients accumulate in the wrapper's main_grad buffers
         self.optimizer.zero_grad()
-        losses = self.forward_backward(gpt_forward_step, data_iterator, self.model, self.num_micro_batches,
-                                       seq_length=self.recipe.model.seq_length, micro_batch_size=t.micro_batch_size,
-                                       forward_only=False, loss_scale=self.optimizer.loss_scale)
+        losses = self.forward_backward(
+            gpt_forward_step,
+            data_iterator,
+            self.model,
+            self.num_micro_batches,
+            seq_length=self.recipe.model.seq_length,
+            micro_batch_size=t.micro_batch_size,
+            forward_only=False,
+            loss_scale=self.optimizer.loss_scale,
+        )
         loss = _average_tensor_over_dp(_loss_sum(losses) / len(losses)) if losses else None
         # The NaN guard's loss check stays on the device: the optimizer folds it into the norm's reduction.
         ok, grad_norm, _ = self.optimizer.step(nonfinite_loss=False if loss is None else ~torch.isfinite(loss))
@@ -228,26 +288,44 @@ class Trainer:
             self.scheduler.step_iteration()
         return loss, ok, grad_norm
 
-    def _log_interval(self, lr: float, grad_norm: Optional[float], loss: Optional[float], skipped_now: int,
-                      nan_now: int, data_wait_s: float = 0.0) -> None:
+    def _log_interval(
+        self,
+        lr: float,
+        grad_norm: Optional[float],
+        loss: Optional[float],
+        skipped_now: int,
+        nan_now: int,
+        data_wait_s: float = 0.0,
+    ) -> None:
         """loss: the mean over the interval's iterations that stepped, None when none did; grad_norm:
         the last iteration's, None when it was skipped (the NaN guard's non-finite norm is not a value)."""
         t, s = self.recipe.training, self.state
         grad_norm = finite_or_none(grad_norm)
         elapsed = time.time() - s.interval_start
         per_iter = elapsed / max(s.interval_iterations, 1)
-        tflops = flops_lib.tflops_per_device(self.flops_per_iteration, per_iter,
-                                             max(self.recipe.parallel.world_size, 1))
+        tflops = flops_lib.tflops_per_device(
+            self.flops_per_iteration, per_iter, max(self.recipe.parallel.world_size, 1)
+        )
         tokens_per_s = t.global_batch_size * self.recipe.model.seq_length / per_iter
         mfu = flops_lib.mfu(tflops, self.peak_tflops)
         # The one record of this interval: the log line, metrics.jsonl and TensorBoard are all made from it,
         # so a new metric is one entry here.
-        record = {"iteration": s.iteration, "consumed_samples": s.consumed_train_samples, "lm_loss": loss, "lr": lr,
-                  "global_batch_size": t.global_batch_size, "grad_norm": grad_norm,
-                  "loss_scale": self.optimizer.loss_scale, "elapsed_ms": per_iter * 1000.0,
-                  "tokens_per_s": tokens_per_s, "tflops": tflops, "skipped": skipped_now, "nan": nan_now,
-                  "batch_generator_ms": data_wait_s * 1000.0 / max(s.interval_iterations, 1),
-                  "batch_generator_share": data_wait_s / elapsed if elapsed > 0 else 0.0}
+        record = {
+            "iteration": s.iteration,
+            "consumed_samples": s.consumed_train_samples,
+            "lm_loss": loss,
+            "lr": lr,
+            "global_batch_size": t.global_batch_size,
+            "grad_norm": grad_norm,
+            "loss_scale": self.optimizer.loss_scale,
+            "elapsed_ms": per_iter * 1000.0,
+            "tokens_per_s": tokens_per_s,
+            "tflops": tflops,
+            "skipped": skipped_now,
+            "nan": nan_now,
+            "batch_generator_ms": data_wait_s * 1000.0 / max(s.interval_iterations, 1),
+            "batch_generator_share": data_wait_s / elapsed if elapsed > 0 else 0.0,
+        }
         if mfu is not None:
             record["mfu"] = mfu
         self.logger.train(record, train_iters=t.train_iters)
@@ -258,9 +336,14 @@ class Trainer:
         self.maybe_resume()
         data_iterator = None
         if s.iteration < t.train_iters:
-            data_iterator = batch_iterator(self.train_ds, consumed_samples=s.consumed_train_samples,
-                                           micro_batch_size=t.micro_batch_size, dp_rank=ps.get_data_parallel_rank(),
-                                           dp_size=ps.get_data_parallel_world_size(), device=self.device)
+            data_iterator = batch_iterator(
+                self.train_ds,
+                consumed_samples=s.consumed_train_samples,
+                micro_batch_size=t.micro_batch_size,
+                dp_rank=ps.get_data_parallel_rank(),
+                dp_size=ps.get_data_parallel_world_size(),
+                device=self.device,
+            )
         previous_handlers = self._install_signal_handlers()
         last_valid, stopped_by = None, None
         saved_at = None
@@ -290,8 +373,14 @@ class Trainer:
                 diverged = s.consecutive_nan >= t.max_consecutive_nan_steps
                 if s.iteration % t.log_interval == 0 or diverged:
                     mean_loss = float(loss_sum) / loss_count if loss_count else None  # the interval's one read
-                    self._log_interval(self.optimizer.param_groups[0]["lr"], grad_norm, mean_loss,
-                                       skipped_since, nan_since, data_iterator.wait_seconds - waited_before)
+                    self._log_interval(
+                        self.optimizer.param_groups[0]["lr"],
+                        grad_norm,
+                        mean_loss,
+                        skipped_since,
+                        nan_since,
+                        data_iterator.wait_seconds - waited_before,
+                    )
                     waited_before = data_iterator.wait_seconds
                     s.interval_start, s.interval_iterations = time.time(), 0
                     skipped_since, nan_since, loss_sum, loss_count = 0, 0, None, 0
@@ -302,7 +391,8 @@ class Trainer:
                         f"iterations in a row (training.max_consecutive_nan_steps={t.max_consecutive_nan_steps}); "
                         f"none of them updated the weights, which are those of iteration {last_update}: "
                         "lower training.lr (or check the data and model.init_method_std) and resume from the last "
-                        "checkpoint")
+                        "checkpoint"
+                    )
                 if s.iteration % t.eval_interval == 0:
                     last_valid = self.evaluate(self.valid_ds, "valid", self._valid_consumed(s.iteration), t.eval_iters)
                 if t.save_interval and s.iteration % t.save_interval == 0:
@@ -316,8 +406,12 @@ class Trainer:
                     stopped_by = signal.Signals(self._stop_signal or signal.SIGTERM).name
                     break
             if stopped_by is None and s.iteration % t.eval_interval != 0:
-                last_valid = self.evaluate(self.valid_ds, "valid", self._valid_consumed(s.iteration + t.eval_interval),
-                                           t.eval_iters) or last_valid
+                last_valid = (
+                    self.evaluate(
+                        self.valid_ds, "valid", self._valid_consumed(s.iteration + t.eval_interval), t.eval_iters
+                    )
+                    or last_valid
+                )
             if saved_at != s.iteration:
                 self.save()
             test = None
@@ -331,15 +425,22 @@ class Trainer:
         if self.logger.writer:
             write_loss_curve(self.run_dir, title=f"{self.recipe.name} [{self.recipe.hash}]")
         self.logger.close()
-        summary = {"iteration": s.iteration, "consumed_train_samples": s.consumed_train_samples,
-                   "skipped_iterations": s.skipped_iterations, "nan_iterations": s.nan_iterations,
-                   "valid": last_valid, "test": test, "run_dir": str(self.run_dir),
-                   "checkpoint": (str(checkpoint_format.iteration_dir(self.save_dir, s.iteration))
-                                  if self.save_dir else None),
-                   "stopped_by": stopped_by}
+        summary = {
+            "iteration": s.iteration,
+            "consumed_train_samples": s.consumed_train_samples,
+            "skipped_iterations": s.skipped_iterations,
+            "nan_iterations": s.nan_iterations,
+            "valid": last_valid,
+            "test": test,
+            "run_dir": str(self.run_dir),
+            "checkpoint": (str(checkpoint_format.iteration_dir(self.save_dir, s.iteration)) if self.save_dir else None),
+            "stopped_by": stopped_by,
+        }
         if stopped_by is not None:
-            self.logger.info(f"received {stopped_by}: saved checkpoint at iteration {s.iteration} to "
-                             f"{summary['checkpoint']}; exiting")
+            self.logger.info(
+                f"received {stopped_by}: saved checkpoint at iteration {s.iteration} to "
+                f"{summary['checkpoint']}; exiting"
+            )
         if self.logger.writer:
             write_summary(self.run_dir, summary)
         self.logger.info("summary: " + strict_json(summary))
@@ -348,8 +449,7 @@ class Trainer:
 
 def _is_log_writer() -> bool:
     """The last pipeline stage's first TP/DP rank holds the losses; it writes the run outputs."""
-    return (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
-            and ps.get_data_parallel_rank() == 0)
+    return ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
 
 
 def _distributed() -> bool:

@@ -36,8 +36,10 @@ def check_float(name: str, tensor: torch.Tensor) -> None:
 def row_block(n_cols: int, what: str) -> int:
     """The power-of-two block that holds one row of `n_cols` elements."""
     if n_cols > MAX_ROW_ELEMENTS:
-        raise UserError(f"{what} of {n_cols} elements exceeds the Triton kernel limit of {MAX_ROW_ELEMENTS}; "
-                        "use backend='torch' for this fusion")
+        raise UserError(
+            f"{what} of {n_cols} elements exceeds the Triton kernel limit of {MAX_ROW_ELEMENTS}; "
+            "use backend='torch' for this fusion"
+        )
     return triton.next_power_of_2(n_cols)
 
 

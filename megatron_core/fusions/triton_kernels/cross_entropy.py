@@ -20,8 +20,7 @@ VOCAB_BLOCK = 4096
 
 
 @triton.jit
-def _cross_entropy_fwd_kernel(Logits, Labels, RowMax, RowSumExp, Target, n_cols, vocab_start,
-                              BLOCK_V: tl.constexpr):
+def _cross_entropy_fwd_kernel(Logits, Labels, RowMax, RowSumExp, Target, n_cols, vocab_start, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     row_start = Logits + row * n_cols
     running_max = float("-inf")
@@ -41,8 +40,7 @@ def _cross_entropy_fwd_kernel(Logits, Labels, RowMax, RowSumExp, Target, n_cols,
 
 
 @triton.jit
-def _cross_entropy_bwd_kernel(Logits, Labels, LogSumExp, DLoss, DLogits, n_cols, vocab_start,
-                              BLOCK_V: tl.constexpr):
+def _cross_entropy_bwd_kernel(Logits, Labels, LogSumExp, DLoss, DLogits, n_cols, vocab_start, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     log_sum_exp = tl.load(LogSumExp + row)
     dloss = tl.load(DLoss + row)
@@ -66,9 +64,15 @@ def _cross_entropy_fwd(logits, labels, vocab_start: int, launch) -> tuple[torch.
     target = _common.new_output((rows,), torch.float32, logits.device)
     if rows:
         block = _vocab_block(n_cols)
-        launch(_common.Launch(_cross_entropy_fwd_kernel, (rows,),
-                              (logits, labels, row_max, row_sum_exp, target, n_cols, vocab_start),
-                              dict(BLOCK_V=block), _common.warps_for(block)))
+        launch(
+            _common.Launch(
+                _cross_entropy_fwd_kernel,
+                (rows,),
+                (logits, labels, row_max, row_sum_exp, target, n_cols, vocab_start),
+                dict(BLOCK_V=block),
+                _common.warps_for(block),
+            )
+        )
     return row_max, row_sum_exp, target
 
 
@@ -77,15 +81,22 @@ def _cross_entropy_bwd(logits, labels, log_sum_exp, dloss, vocab_start: int, lau
     dlogits = _common.new_output((rows, n_cols), logits.dtype, logits.device)
     if rows:
         block = _vocab_block(n_cols)
-        launch(_common.Launch(_cross_entropy_bwd_kernel, (rows,),
-                              (logits, labels, log_sum_exp, dloss, dlogits, n_cols, vocab_start),
-                              dict(BLOCK_V=block), _common.warps_for(block)))
+        launch(
+            _common.Launch(
+                _cross_entropy_bwd_kernel,
+                (rows,),
+                (logits, labels, log_sum_exp, dloss, dlogits, n_cols, vocab_start),
+                dict(BLOCK_V=block),
+                _common.warps_for(block),
+            )
+        )
     return dlogits
 
 
 @_common.kernel_op("megatron_fusions::cross_entropy_fwd")
-def cross_entropy_fwd(logits: torch.Tensor, labels: torch.Tensor,
-                      vocab_start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def cross_entropy_fwd(
+    logits: torch.Tensor, labels: torch.Tensor, vocab_start: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits: contiguous [rows, V_local]; labels: int64 [rows]. Returns the local row max, the local
     sum of exp(logit - local max) and the target logit (0 outside this shard), all fp32 [rows]."""
     return _cross_entropy_fwd(logits, labels, vocab_start, _common.run)
@@ -98,8 +109,9 @@ def _(logits, labels, vocab_start):  # noqa: ARG001 - a fake takes the op's argu
 
 
 @_common.kernel_op("megatron_fusions::cross_entropy_bwd")
-def cross_entropy_bwd(logits: torch.Tensor, labels: torch.Tensor, log_sum_exp: torch.Tensor, dloss: torch.Tensor,
-                      vocab_start: int) -> torch.Tensor:
+def cross_entropy_bwd(
+    logits: torch.Tensor, labels: torch.Tensor, log_sum_exp: torch.Tensor, dloss: torch.Tensor, vocab_start: int
+) -> torch.Tensor:
     """d loss / d logits = (softmax - onehot) * dloss, in the logits' dtype."""
     return _cross_entropy_bwd(logits, labels, log_sum_exp, dloss, vocab_start, _common.run)
 

@@ -50,8 +50,15 @@ def _launch_rows(kernel, tensors, sq, sk, scale, launch):
     block = _common.row_block(sk, "softmax key length")
     block_m = _common.rows_per_block(block)
     if rows:
-        launch(_common.Launch(kernel, (triton.cdiv(rows, block_m),), (*tensors, rows, sq, sk, scale),
-                              dict(BLOCK_M=block_m, BLOCK_N=block), _common.warps_for(block_m * block)))
+        launch(
+            _common.Launch(
+                kernel,
+                (triton.cdiv(rows, block_m),),
+                (*tensors, rows, sq, sk, scale),
+                dict(BLOCK_M=block_m, BLOCK_N=block),
+                _common.warps_for(block_m * block),
+            )
+        )
 
 
 def _causal_softmax_fwd(scores, scale: float, launch) -> torch.Tensor:
@@ -62,8 +69,7 @@ def _causal_softmax_fwd(scores, scale: float, launch) -> torch.Tensor:
 
 def _causal_softmax_bwd(dprobs, probs, scale: float, launch) -> torch.Tensor:
     dscores = _common.new_output(probs.shape, probs.dtype, probs.device)
-    _launch_rows(_causal_softmax_bwd_kernel, (dprobs, probs, dscores), probs.shape[-2], probs.shape[-1], scale,
-                 launch)
+    _launch_rows(_causal_softmax_bwd_kernel, (dprobs, probs, dscores), probs.shape[-2], probs.shape[-1], scale, launch)
     return dscores
 
 
