@@ -23,8 +23,6 @@ from training_fixtures import (  # noqa: F401 - fixtures
 )
 
 
-
-
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory, corpus):
     run_dir = tmp_path_factory.mktemp("run-a")
@@ -40,8 +38,20 @@ def test_loss_decreases_and_outputs_are_written(first_run):
     assert losses[24] < losses[1] - 0.5, losses
     assert math.log(VOCAB_SIZE) - 0.3 < losses[1] < math.log(128) + 0.3  # starts near uniform
     record = next(m for m in metrics if m["type"] == "train")
-    assert set(record) >= {"type", "iteration", "consumed_samples", "lm_loss", "lr", "grad_norm", "loss_scale",
-                           "elapsed_ms", "tokens_per_s", "tflops", "skipped", "nan"}
+    assert set(record) >= {
+        "type",
+        "iteration",
+        "consumed_samples",
+        "lm_loss",
+        "lr",
+        "grad_norm",
+        "loss_scale",
+        "elapsed_ms",
+        "tokens_per_s",
+        "tflops",
+        "skipped",
+        "nan",
+    }
     assert "mfu" not in record  # CPU: no peak known, none invented
     assert record["consumed_samples"] == 4 and record["loss_scale"] == 1.0
     valid = [m for m in metrics if m["type"] == "valid"]
@@ -88,8 +98,9 @@ def test_fp16_loop_skips_injected_inf_and_recovers(corpus, tmp_path, monkeypatch
         return out
 
     monkeypatch.setattr(pipeline, "get_forward_backward_func", lambda: poisoned)
-    recipe = tiny_recipe("train_iters=16", "fp16=true", "initial_loss_scale=1024", "hysteresis=1",
-                         "save_interval=null", "eval_iters=0")
+    recipe = tiny_recipe(
+        "train_iters=16", "fp16=true", "initial_loss_scale=1024", "hysteresis=1", "save_interval=null", "eval_iters=0"
+    )
     train_below_checks(recipe, tmp_path, corpus)
     metrics = [m for m in read_metrics(tmp_path) if m["type"] == "train"]
     by_it = {m["iteration"]: m for m in metrics}
@@ -121,24 +132,29 @@ def test_bf16_trains_close_to_fp32_with_bf16_weights_and_fp32_master(first_run, 
     assert masters.keys() == weights.keys() and {m.dtype for m in masters.values()} == {torch.float32}
 
 
-@pytest.mark.parametrize("override, message", [
-    ("lr=0 min_lr=0", "training.lr must be > 0"),
-    ("clip_grad=-1", "training.clip_grad must be >= 0"),
-    ("eval_iters=-2", "training.eval_iters must be >= 0"),
-    ("save_interval=0", "training.save_interval must be >= 1"),
-    ("adam_beta2=1.0", "training.adam_beta2 must be in [0, 1)"),
-    ("world_size=2", "the recipe's parallel.world_size is 2 but 1 processes were started"),
-    ("fp16=true", "training.fp16 needs a CUDA GPU but training.device is cpu"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("lr=0 min_lr=0", "training.lr must be > 0"),
+        ("clip_grad=-1", "training.clip_grad must be >= 0"),
+        ("eval_iters=-2", "training.eval_iters must be >= 0"),
+        ("save_interval=0", "training.save_interval must be >= 1"),
+        ("adam_beta2=1.0", "training.adam_beta2 must be in [0, 1)"),
+        ("world_size=2", "the recipe's parallel.world_size is 2 but 1 processes were started"),
+        ("fp16=true", "training.fp16 needs a CUDA GPU but training.device is cpu"),
+    ],
+)
 def test_bad_recipe_values_refused_at_start(corpus, tmp_path, override, message):
     with pytest.raises(UserError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
         train(tiny_recipe(*override.split()), tmp_path, corpus, vocab_size=VOCAB_SIZE)
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
-FP16_ON_CPU = ("cannot train this recipe: training.fp16 needs a CUDA GPU but training.device is cpu: fp16 is for "
-               "GPUs (no fast fp16 matmuls on a CPU); on a CPU use --set fp16=false --set bf16=true (or fp32), or "
-               "train on a GPU with --set device=cuda")
+FP16_ON_CPU = (
+    "cannot train this recipe: training.fp16 needs a CUDA GPU but training.device is cpu: fp16 is for "
+    "GPUs (no fast fp16 matmuls on a CPU); on a CPU use --set fp16=false --set bf16=true (or fp32), or "
+    "train on a GPU with --set device=cuda"
+)
 
 
 def test_fp16_on_a_cpu_is_refused_in_one_line_by_every_entry_and_writes_nothing(corpus, tmp_path, capsys):
@@ -152,8 +168,20 @@ def test_fp16_on_a_cpu_is_refused_in_one_line_by_every_entry_and_writes_nothing(
     with pytest.raises(UserError) as refused:
         train(tiny_recipe("fp16=true"), tmp_path / "run", corpus, vocab_size=VOCAB_SIZE)
     assert str(refused.value) == FP16_ON_CPU
-    rc = train_main(["--recipe", "smoke", "--set", "fp16=true", "--data-path", corpus, "--vocab-size", "100",
-                     "--run-dir", str(tmp_path / "cli")])
+    rc = train_main(
+        [
+            "--recipe",
+            "smoke",
+            "--set",
+            "fp16=true",
+            "--data-path",
+            corpus,
+            "--vocab-size",
+            "100",
+            "--run-dir",
+            str(tmp_path / "cli"),
+        ]
+    )
     assert rc == 2 and capsys.readouterr().err == f"error: {FP16_ON_CPU}\n"
     with pytest.raises(invoke.Exit) as ended:
         tasks.train(invoke.Context(), recipe="smoke", set_=["fp16=true"], workdir=str(tmp_path / "work"))
@@ -176,34 +204,71 @@ def test_fp16_is_accepted_where_it_trains_on_a_gpu(monkeypatch):
 
 
 def test_cli_reports_errors_for_people(tmp_path, capsys):
-    rc = train_main(["--recipe", "smoke", "--set", "lr=0", "--set", "min_lr=0",
-                     "--data-path", str(tmp_path / "nothing"), "--vocab-size", "100",
-                     "--run-dir", str(tmp_path / "run")])
+    rc = train_main(
+        [
+            "--recipe",
+            "smoke",
+            "--set",
+            "lr=0",
+            "--set",
+            "min_lr=0",
+            "--data-path",
+            str(tmp_path / "nothing"),
+            "--vocab-size",
+            "100",
+            "--run-dir",
+            str(tmp_path / "run"),
+        ]
+    )
     assert rc == 2
     assert "error: training.lr must be > 0 (got 0.0)" in capsys.readouterr().err
 
 
-_RECORD = {"iteration": 10, "consumed_samples": 320, "elapsed_ms": 123.45, "tflops": 1.23, "lr": 3e-3,
-           "global_batch_size": 32, "lm_loss": 5.4321, "loss_scale": 1.0, "grad_norm": 0.75, "skipped": 0, "nan": 0}
+_RECORD = {
+    "iteration": 10,
+    "consumed_samples": 320,
+    "elapsed_ms": 123.45,
+    "tflops": 1.23,
+    "lr": 3e-3,
+    "global_batch_size": 32,
+    "lm_loss": 5.4321,
+    "loss_scale": 1.0,
+    "grad_norm": 0.75,
+    "skipped": 0,
+    "nan": 0,
+}
 
 
 def test_megatron_log_line_format():
     from megatron_core.training.logging import megatron_train_line
 
     line = megatron_train_line(_RECORD, train_iters=300)
-    assert line.endswith("] iteration       10/     300 | consumed samples:          320 | elapsed time per "
-                         "iteration (ms): 123.5 | throughput per GPU (TFLOP/s/GPU): 1.2 | learning rate: "
-                         "3.000000E-03 | global batch size:    32 | lm loss: 5.432100E+00 | loss scale: 1.0 | "
-                         "grad norm: 0.750 | number of skipped iterations:   0 | number of nan iterations:   0 |")
+    assert line.endswith(
+        "] iteration       10/     300 | consumed samples:          320 | elapsed time per "
+        "iteration (ms): 123.5 | throughput per GPU (TFLOP/s/GPU): 1.2 | learning rate: "
+        "3.000000E-03 | global batch size:    32 | lm loss: 5.432100E+00 | loss scale: 1.0 | "
+        "grad norm: 0.750 | number of skipped iterations:   0 | number of nan iterations:   0 |"
+    )
     assert line.startswith(" [20")
-    ours = megatron_train_line({**_RECORD, "tokens_per_s": 4823.4, "batch_generator_ms": 1.25, "mfu": 0.1234,
-                                "lm_loss": None, "grad_norm": None}, train_iters=300)
-    assert ours.endswith("| global batch size:    32 | loss scale: 1.0 | number of skipped iterations:   0 |"
-                         " number of nan iterations:   0 | tokens/s: 4823 | batch-generator: 1.2 ms | MFU: 12.3% |")
+    ours = megatron_train_line(
+        {
+            **_RECORD,
+            "tokens_per_s": 4823.4,
+            "batch_generator_ms": 1.25,
+            "mfu": 0.1234,
+            "lm_loss": None,
+            "grad_norm": None,
+        },
+        train_iters=300,
+    )
+    assert ours.endswith(
+        "| global batch size:    32 | loss scale: 1.0 | number of skipped iterations:   0 |"
+        " number of nan iterations:   0 | tokens/s: 4823 | batch-generator: 1.2 ms | MFU: 12.3% |"
+    )
 
 
 def test_one_train_record_reaches_every_sink(tmp_path, capsys):
-    """A key added to the record (and no other change) reaches metrics.jsonl and TensorBoard; None and
+    """A key added to the record (and no other change) reaches the line, metrics.jsonl and TensorBoard; None and
     non-finite values are left out of TensorBoard, null in metrics.jsonl; the printed line is the record's."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -213,14 +278,23 @@ def test_one_train_record_reaches_every_sink(tmp_path, capsys):
     logger.train({**_RECORD, "grad_norm": None, "brand_new_metric": 2.5, "tflops": float("inf")}, train_iters=300)
     logger.evaluation("valid", 10, 4.0)
     logger.close()
-    assert "| lm loss: 5.432100E+00 | loss scale: 1.0 | number of skipped" in capsys.readouterr().out
+    [line] = [text for text in capsys.readouterr().out.splitlines() if " iteration       10/" in text]
+    assert "| lm loss: 5.432100E+00 | loss scale: 1.0 | number of skipped" in line
+    assert line.endswith("| number of nan iterations:   0 | brand new metric: 2.5 |")
     train_record = read_metrics(tmp_path)[0]
     assert train_record["brand_new_metric"] == 2.5 and train_record["grad_norm"] is None
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"train/brand_new_metric", "train/lm_loss", "train/lr", "train/global_batch_size", "train/nan",
-            "valid/lm_loss", "valid/ppl"} <= tags
+    assert {
+        "train/brand_new_metric",
+        "train/lm_loss",
+        "train/lr",
+        "train/global_batch_size",
+        "train/nan",
+        "valid/lm_loss",
+        "valid/ppl",
+    } <= tags
     assert not tags & {"train/grad_norm", "train/tflops", "train/iteration", "train/type"}
     [point] = events.Scalars("train/brand_new_metric")
     assert (point.step, point.value) == (10, 2.5)
@@ -232,8 +306,19 @@ def test_compile_true_trains_like_eager(corpus, tmp_path, capsys):
     losses = {}
     for name in ("false", "true"):
         run_dir = tmp_path / name
-        train(tiny_recipe("train_iters=6", "save_interval=null", "eval_interval=6", "hidden_dropout=0",
-                          "attention_dropout=0", f"training.compile={name}"), run_dir, corpus, vocab_size=VOCAB_SIZE)
+        train(
+            tiny_recipe(
+                "train_iters=6",
+                "save_interval=null",
+                "eval_interval=6",
+                "hidden_dropout=0",
+                "attention_dropout=0",
+                f"training.compile={name}",
+            ),
+            run_dir,
+            corpus,
+            vocab_size=VOCAB_SIZE,
+        )
         losses[name] = train_losses(read_metrics(run_dir))
     assert "; compile: True" in capsys.readouterr().out  # the start-up log names what ran
     assert sorted(losses["true"]) == sorted(losses["false"]) == list(range(1, 7))
@@ -299,14 +384,37 @@ def test_main_destroys_the_process_group_it_started(monkeypatch, corpus, tmp_pat
     from distributed_utils import free_port
     from training_fixtures import TINY_OVERRIDES
 
-    for name, value in {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": str(free_port())}.items():
+    for name, value in {
+        "WORLD_SIZE": "1",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }.items():
         monkeypatch.setenv(name, value)
-    sets = [arg for item in (*TINY_OVERRIDES, "train_iters=3", "eval_iters=0", "save_interval=null")
-            for arg in ("--set", item)]
+    sets = [
+        arg
+        for item in (*TINY_OVERRIDES, "train_iters=3", "eval_iters=0", "save_interval=null")
+        for arg in ("--set", item)
+    ]
     try:
-        assert train_main(["--recipe", "smoke", *sets, *extra, "--data-path", corpus, "--vocab-size", "100",
-                           "--run-dir", str(tmp_path)]) == rc
+        assert (
+            train_main(
+                [
+                    "--recipe",
+                    "smoke",
+                    *sets,
+                    *extra,
+                    "--data-path",
+                    corpus,
+                    "--vocab-size",
+                    "100",
+                    "--run-dir",
+                    str(tmp_path),
+                ]
+            )
+            == rc
+        )
         assert not dist.is_initialized()
     finally:
         if dist.is_initialized():

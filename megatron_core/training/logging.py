@@ -26,27 +26,61 @@ _LOG = get_logger("megatron_core.training.logging", rank_prefix=False)  # by nam
 def megatron_train_line(record: Mapping[str, Any], *, train_iters: int) -> str:
     """Megatron's training_log line (docs/metrics-and-flops.md), one line, formatted from the train record
     that metrics.jsonl and TensorBoard get. `lm loss` is left out when no iteration of the interval stepped
-    (lm_loss None), as Megatron does; `grad norm` when there is none; our fields after Megatron's
-    (tokens/s, batch-generator, MFU) only when the record has them."""
+    (lm_loss None), as Megatron does; `grad norm` when there is none; then every other key of the record
+    that is not None, in the record's order (_OUR_FORMATS: how some of them read)."""
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     lm_loss, grad_norm, tflops = record.get("lm_loss"), record.get("grad_norm"), record["tflops"]
     loss = f" lm loss: {lm_loss:.6E} |" if lm_loss is not None else ""
     norm = f" grad norm: {grad_norm:.3f} |" if grad_norm is not None else ""
     # Megatron's one decimal, but a CPU's few GFLOP/s keep three significant digits instead of reading 0.0
     tflops_text = f"{tflops:.1f}" if tflops >= 1 else f"{tflops:.3g}"
-    extra = "".join(text.format(record[key]) for key, text in _OUR_FIELDS if record.get(key) is not None)
-    return (f" [{stamp}] iteration {record['iteration']:8d}/{train_iters:8d} | consumed samples:"
-            f" {record['consumed_samples']:12d} | elapsed time per iteration (ms): {record['elapsed_ms']:.1f} |"
-            f" throughput per GPU (TFLOP/s/GPU): {tflops_text} | learning rate: {record['lr']:.6E} |"
-            f" global batch size: {record['global_batch_size']:5d} |{loss} loss scale: {record['loss_scale']:.1f} |"
-            f"{norm} number of skipped iterations: {record['skipped']:3d} |"
-            f" number of nan iterations: {record['nan']:3d} |{extra}")
+    extra = "".join(
+        _our_field(key, value)
+        for key, value in record.items()
+        if key not in _MEGATRON_KEYS and value is not None and _OUR_FORMATS.get(key, "") is not None
+    )
+    return (
+        f" [{stamp}] iteration {record['iteration']:8d}/{train_iters:8d} | consumed samples:"
+        f" {record['consumed_samples']:12d} | elapsed time per iteration (ms): {record['elapsed_ms']:.1f} |"
+        f" throughput per GPU (TFLOP/s/GPU): {tflops_text} | learning rate: {record['lr']:.6E} |"
+        f" global batch size: {record['global_batch_size']:5d} |{loss} loss scale: {record['loss_scale']:.1f} |"
+        f"{norm} number of skipped iterations: {record['skipped']:3d} |"
+        f" number of nan iterations: {record['nan']:3d} |{extra}"
+    )
 
 
-# The record's keys that the line shows after Megatron's own fields (in this order); every other key
-# reaches metrics.jsonl and TensorBoard only.
-_OUR_FIELDS = (("tokens_per_s", " tokens/s: {:.0f} |"), ("batch_generator_ms", " batch-generator: {:.1f} ms |"),
-               ("mfu", " MFU: {:.1%} |"))
+# The record's keys Megatron's own part of the line shows (above, in its format).
+_MEGATRON_KEYS = frozenset(
+    {
+        "iteration",
+        "consumed_samples",
+        "elapsed_ms",
+        "tflops",
+        "lr",
+        "global_batch_size",
+        "lm_loss",
+        "loss_scale",
+        "grad_norm",
+        "skipped",
+        "nan",
+    }
+)
+# How some of our keys read on the line (None: metrics.jsonl and TensorBoard only). Any other key the trainer
+# puts in its record shows as "name: value": a new metric is one entry in the record and reaches every sink.
+_OUR_FORMATS = {
+    "tokens_per_s": " tokens/s: {:.0f} |",
+    "batch_generator_ms": " batch-generator: {:.1f} ms |",
+    "batch_generator_share": None,
+    "mfu": " MFU: {:.1%} |",
+}
+
+
+def _our_field(key: str, value: Any) -> str:
+    text = _OUR_FORMATS.get(key)
+    if text is not None:
+        return text.format(value)
+    shown = f"{value:.4g}" if isinstance(value, float) else str(value)
+    return f" {key.replace('_', ' ')}: {shown} |"
 
 
 def megatron_eval_line(kind: str, iteration: int, loss: float, ppl: float) -> str:
@@ -66,6 +100,7 @@ def finite_or_none(value):
 
 def strict_json(record: dict) -> str:
     """One JSON object that strict parsers accept: non-finite floats (top level and nested) as null."""
+
     def clean(value):
         if isinstance(value, dict):
             return {k: clean(v) for k, v in value.items()}
@@ -97,8 +132,11 @@ class RunLogger:
         """On resume: drop metrics of iterations after the checkpoint (they are trained again)."""
         if not self.writer or not self.metrics_path.exists():
             return
-        kept = [line for line in self.metrics_path.read_text().splitlines()
-                if line.strip() and json.loads(line)["iteration"] <= iteration]
+        kept = [
+            line
+            for line in self.metrics_path.read_text().splitlines()
+            if line.strip() and json.loads(line)["iteration"] <= iteration
+        ]
         replace_atomically(self.metrics_path, lambda tmp: tmp.write_text("".join(line + "\n" for line in kept)))
 
     def _append(self, record: dict) -> None:
