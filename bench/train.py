@@ -190,7 +190,7 @@ def build_ours(setup: Setup, recipe: Optional[config.Recipe] = None):
         "backends": f"{inner.describe_backends()}; {optimizer.description}; "
         f"training.compile: {recipe.training.compile}",
         "precision_regime": train_lib.precision_regime(recipe),
-        "grad_buffer_mb": model.grad_sync.grad_buffer_bytes / 2**20,
+        "grad_buffer_mb": sum(b.buffer.numel() * b.buffer.element_size() for b in model.grad_sync.buckets) / 2**20,
     }
     return step, inner, description, optimizer
 

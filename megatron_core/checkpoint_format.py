@@ -340,10 +340,6 @@ def staging_dir(save: Path, iteration) -> Path:
     return final.with_name(final.name + ".tmp")
 
 
-def checkpoint_file(save: Path, iteration: int, tp_rank: int = 0, pp_rank: int = 0, pp_size: int = 1) -> Path:
-    return iteration_dir(save, iteration) / rank_dirname(tp_rank, pp_rank, pp_size) / MODEL_FILENAME
-
-
 def read_tracker(load: Path):
     """The latest iteration saved under `load` (an int, or "release" for weights only), or None when
     there is no checkpoint there."""

@@ -202,10 +202,6 @@ def is_local_rank_zero() -> bool:
     return int(os.environ.get("LOCAL_RANK", dist.get_rank() if distributed else 0)) == 0
 
 
-def model_parallel_is_initialized() -> bool:
-    return bool(_GROUPS)
-
-
 def destroy_model_parallel() -> None:
     """Forget the groups (the default process group itself is left to its owner)."""
     global _VIRTUAL_PIPELINE_WORLD_SIZE

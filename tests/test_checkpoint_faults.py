@@ -18,7 +18,8 @@ from megatron_core.errors import UserError
 from megatron_core.pretrain_gpt import train
 from megatron_core.training import checkpointing as ckpt
 from megatron_core.training.logging import read_metrics
-from training_fixtures import VOCAB_SIZE, fixture_corpus, fixture_one_thread, tiny_recipe  # noqa: F401 - fixtures
+from training_fixtures import VOCAB_SIZE, checkpoint_file, tiny_recipe
+from training_fixtures import fixture_corpus, fixture_one_thread  # noqa: F401 - fixtures
 
 ITERS = 12
 RECIPE = (f"train_iters={ITERS}", "save_interval=4", "eval_iters=1", "eval_interval=4")
@@ -44,7 +45,7 @@ def _embedding(state: dict) -> torch.Tensor:
 
 
 def _saved_embedding(save: Path, iteration: int) -> torch.Tensor:
-    return _embedding(torch.load(cf.checkpoint_file(save, iteration), weights_only=False))
+    return _embedding(torch.load(checkpoint_file(save, iteration), weights_only=False))
 
 
 def _flip_bytes(path: Path, count: int = 16) -> None:
@@ -90,7 +91,7 @@ def test_keep_last_checkpoints(tmp_path, keep_last, kept):
 
 def test_flipped_bytes_fall_back_to_the_previous_iteration(run, corpus, capsys):
     save = run / "checkpoints"
-    _flip_bytes(cf.checkpoint_file(save, 12))
+    _flip_bytes(checkpoint_file(save, 12))
     lines: list[str] = []
     iteration, state = ckpt.load_latest(save, log=lines.append)
     assert iteration == 8 and torch.equal(_embedding(state), _saved_embedding(save, 8))
@@ -105,7 +106,7 @@ def test_flipped_bytes_fall_back_to_the_previous_iteration(run, corpus, capsys):
 
 def test_no_fallback_refuses_a_checkpoint_that_fails_verification(run, corpus):
     save = run / "checkpoints"
-    _flip_bytes(cf.checkpoint_file(save, 12))
+    _flip_bytes(checkpoint_file(save, 12))
     with pytest.raises(cf.CheckpointError, match="--no-fallback") as info:
         train(tiny_recipe(*RECIPE), run, corpus, vocab_size=VOCAB_SIZE, fallback=False)
     assert "\n" not in str(info.value)
@@ -117,7 +118,7 @@ def test_a_truncated_rank_file_of_an_old_checkpoint_without_manifest_falls_back(
     save = run / "checkpoints"
     for iteration in (8, 12):
         (cf.iteration_dir(save, iteration) / cf.MANIFEST_FILENAME).unlink()
-    path = cf.checkpoint_file(save, 12)
+    path = checkpoint_file(save, 12)
     path.write_bytes(path.read_bytes()[:1000])
     lines: list[str] = []
     assert ckpt.load_latest(save, log=lines.append)[0] == 8
@@ -131,7 +132,7 @@ def test_a_truncated_rank_file_of_an_old_checkpoint_without_manifest_falls_back(
 def test_every_iteration_damaged_refuses_unless_from_scratch(run, corpus):
     save = run / "checkpoints"
     for iteration in (8, 12):
-        _flip_bytes(cf.checkpoint_file(save, iteration))
+        _flip_bytes(checkpoint_file(save, iteration))
     with pytest.raises(cf.CheckpointError, match="none loads .*--from-scratch"):
         ckpt.load_latest(save)
     summary = train(tiny_recipe(*RECIPE), run, corpus, vocab_size=VOCAB_SIZE, from_scratch=True)
@@ -300,7 +301,7 @@ def test_too_little_free_space_is_refused_before_the_first_iteration(tmp_path, c
 )
 def test_disk_full_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(run, monkeypatch, error):
     save = run / "checkpoints"
-    good = torch.load(cf.checkpoint_file(save, 12), weights_only=False)
+    good = torch.load(checkpoint_file(save, 12), weights_only=False)
 
     def full_disk(_obj, f, *_args, **_kwargs):
         Path(f).write_bytes(b"half a checkpoint")

@@ -22,7 +22,8 @@ from megatron_core import checkpoint_format as cf
 from megatron_core.pretrain_gpt import train
 from megatron_core.training import checkpointing as ckpt
 from megatron_core.training.logging import read_metrics
-from training_fixtures import VOCAB_SIZE, fixture_corpus, fixture_one_thread, tiny_recipe, train_losses, write_corpus  # noqa: F401 - fixtures
+from training_fixtures import VOCAB_SIZE, checkpoint_file, tiny_recipe, train_losses
+from training_fixtures import fixture_corpus, fixture_one_thread  # noqa: F401 - fixtures
 
 TESTS_DIR = Path(__file__).resolve().parent
 ITERS = 16
@@ -197,7 +198,7 @@ def test_no_save_optim_writes_model_only(corpus, tmp_path):
         vocab_size=VOCAB_SIZE,
         save_optim=False,
     )
-    state = cf.load_checkpoint_file(cf.checkpoint_file(tmp_path / "checkpoints", 3))
+    state = cf.load_checkpoint_file(checkpoint_file(tmp_path / "checkpoints", 3))
     assert "optimizer" not in state and "opt_param_scheduler" not in state and "model" in state
 
 
@@ -273,7 +274,7 @@ class Killed(BaseException):
 @pytest.mark.parametrize("where", ["mid-file", "before-rename", "before-tracker"])
 def test_save_killed_midway_leaves_previous_checkpoint_loadable(reference, tmp_path, monkeypatch, where):
     save = _checkpoint_copy(reference, tmp_path, 8)
-    good = cf.load_checkpoint_file(cf.checkpoint_file(save, 8))
+    good = cf.load_checkpoint_file(checkpoint_file(save, 8))
     real_replace = os.replace
 
     def dying_torch_save(_obj, f, *_args, **_kwargs):
@@ -327,7 +328,7 @@ def test_save_killed_midway_leaves_previous_checkpoint_loadable(reference, tmp_p
 def test_model_only_writer_killed_midway_leaves_previous_checkpoint(reference, tmp_path, monkeypatch, where):
     """import-hf and the converters write through the same staging and publishing as training."""
     save = _checkpoint_copy(reference, tmp_path, 8)
-    good = cf.load_checkpoint_file(cf.checkpoint_file(save, 8))
+    good = cf.load_checkpoint_file(checkpoint_file(save, 8))
 
     def dying(*_args, **_kwargs):
         raise Killed

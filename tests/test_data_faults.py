@@ -77,7 +77,7 @@ def test_token_id_at_or_above_the_vocabulary_stops_training_in_one_line(tmp_path
     prefix = str(tmp_path / "wide")
     with IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16) as builder:
         for doc in range(40):
-            builder.add_document([np.arange(60) % 97 + (200 if doc == 3 else 0)])  # padded vocab is 128
+            builder.add_document(np.arange(60) % 97 + (200 if doc == 3 else 0), [60])  # padded vocab is 128
         builder.finalize(prefix + ".idx")
     with pytest.raises(GPTDatasetError) as info:
         train(

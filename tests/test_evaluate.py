@@ -47,7 +47,8 @@ def eval_setup(tmp_path_factory, tokenizer_files):
     prefix = root / "corpus_text_document"
     with IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16) as builder:
         for i, text in enumerate(CORPUS):
-            builder.add_document([tok.encode(f"# doc {i}\n{text}").ids + [eod]])
+            ids = tok.encode(f"# doc {i}\n{text}").ids + [eod]
+            builder.add_document(ids, [len(ids)])
         builder.finalize(f"{prefix}.idx")
     recipe = tiny_recipe(
         data={"data_path": [str(prefix)], "split": "80,10,10"},

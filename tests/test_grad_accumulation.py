@@ -77,7 +77,8 @@ def _wrapped_main_grads() -> dict:
     wrapped.finish_grad_sync()
     params = dict(wrapped.module.named_parameters())
     assert all(p.grad is None and p.main_grad.dtype == torch.float32 for p in params.values())
-    assert wrapped.grad_sync.grad_buffer_bytes == 4 * sum(p.numel() for p in params.values())
+    buffers = sum(b.buffer.numel() * b.buffer.element_size() for b in wrapped.grad_sync.buckets)
+    assert buffers == 4 * sum(p.numel() for p in params.values())  # one fp32 slot per parameter element
     return {n: p.main_grad for n, p in params.items()}
 
 

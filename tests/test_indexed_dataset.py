@@ -27,8 +27,8 @@ DOCUMENTS = [
 
 def _build(prefix, documents=DOCUMENTS, dtype=np.uint16, impl="mmap"):
     builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=dtype, impl=impl)
-    for doc in documents:
-        builder.add_document(doc)
+    for doc in documents:  # a document: its sequences
+        builder.add_document([token for sequence in doc for token in sequence], [len(s) for s in doc])
     builder.finalize(f"{prefix}.idx")
     return str(prefix)
 
@@ -178,7 +178,7 @@ def test_we_read_what_megatron_core_writes(tmp_path):
 def test_unfinished_build_leaves_nothing(tmp_path):
     with pytest.raises(RuntimeError):
         with IndexedDatasetBuilder(tmp_path / "d.bin", dtype=np.uint16) as builder:
-            builder.add_document([[1, 2, 3]])
+            builder.add_document([1, 2, 3], [3])
             assert not (tmp_path / "d.bin").exists()  # only a temporary name while writing
             raise RuntimeError("interrupted")
     assert list(tmp_path.iterdir()) == []

@@ -485,7 +485,8 @@ def test_pp2_vpp2_checkpoint_holds_chunks_and_converts_to_the_trained_model(two_
     """Each rank file holds model0 and model1 (Megatron's layout; the tied embedding in chunk 0 of
     the first stage and, as word_embeddings_for_head, in the last chunk of the last stage), and the
     converter's reader merges them into exactly the weights the run ended with."""
-    from megatron_core.checkpoint_format import checkpoint_file, load_checkpoint_file
+    from megatron_core.checkpoint_format import load_checkpoint_file
+    from training_fixtures import checkpoint_file
     from megatron_core.convert import read_checkpoint
 
     save = Path(run_root) / "PP2_VPP2-resume" / "checkpoints"

@@ -57,7 +57,6 @@ def test_a_world_that_does_not_split_into_tp_x_pp_blocks_is_refused():
 
 
 def test_uninitialized_is_a_single_process():
-    assert not ps.model_parallel_is_initialized()
     assert (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()) == (1, 0)
     assert (ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()) == (1, 0)
     assert (ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()) == (1, 0)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_core.checkpoint_format import MODEL_FILENAME, iteration_dir, rank_dirname
 from megatron_core.config import load_recipe
 from megatron_core.data.indexed_dataset import IndexedDatasetBuilder
 
@@ -95,3 +96,8 @@ def fixture_one_thread():
 @pytest.fixture(scope="module", name="corpus")
 def fixture_corpus(tmp_path_factory):
     return write_corpus(tmp_path_factory.mktemp("data") / "corpus")
+
+
+def checkpoint_file(save, iteration, tp_rank: int = 0, pp_rank: int = 0, pp_size: int = 1):
+    """Where a published iteration keeps one rank's model file (the tests open, corrupt or compare it)."""
+    return iteration_dir(save, iteration) / rank_dirname(tp_rank, pp_rank, pp_size) / MODEL_FILENAME

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import struct
 from array import array
-from typing import Iterable, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
@@ -112,15 +112,9 @@ class IndexedDatasetBuilder:
         """Close the current document (a document may hold zero sequences)."""
         self._document_indices.append(len(self._lengths))
 
-    def add_document(self, sequences: Iterable[Union[Sequence[int], np.ndarray]]) -> None:
-        """Append one whole document: its sequences, then the document boundary."""
-        for sequence in sequences:
-            self.add_item(sequence)
-        self.end_document()
-
-    def add_document_array(self, tokens: np.ndarray, lengths: Sequence[int]) -> None:
-        """Append one whole document given as its concatenated tokens and sequence lengths
-        (the fast path of preprocessing: one write per document)."""
+    def add_document(self, tokens: np.ndarray, lengths: Sequence[int]) -> None:
+        """Append one whole document given as its concatenated tokens and sequence lengths (Megatron's
+        add_document; one write per document)."""
         arr = np.asarray(tokens, dtype=self.dtype)
         if arr.size != sum(lengths):
             raise ValueError(f"{arr.size} tokens do not match sequence lengths summing to {sum(lengths)}")

@@ -355,7 +355,7 @@ def preprocess(args: argparse.Namespace) -> dict:
                 _, encoded, nbytes = result
                 ntokens = 0
                 for key, (ids, lengths) in encoded.items():
-                    builders[key].add_document_array(ids, lengths)
+                    builders[key].add_document(ids, lengths)
                     empty[key] += not lengths
                     ntokens += len(ids)
                 progress.add(nbytes, ntokens)

@@ -195,10 +195,6 @@ class GradSync:
         finally:
             self.sync_enabled = previous
 
-    @property
-    def grad_buffer_bytes(self) -> int:
-        return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
-
     def zero_grad_buffer(self) -> None:
         """Start an iteration: every main_grad counts as zero. The first backward after a finished iteration
         does it too, so a caller that forgets cannot sum two iterations."""
