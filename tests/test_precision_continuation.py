@@ -13,6 +13,7 @@ from megatron_core.pretrain_gpt import train
 from megatron_core.training.logging import read_metrics
 from training_fixtures import (  # noqa: F401 - fixtures
     VOCAB_SIZE,
+    checkpoint_file,
     fixture_corpus,
     fixture_one_thread,
     tiny_recipe,
@@ -85,7 +86,7 @@ def test_continuation_keeps_the_weights(precision, corpus, tmp_path):
     assert _continues(before, [continued[AT + i] for i in (2, 3, 4)], fresh), (before, continued)
 
     # import-hf's `release` (weights only, no recipe): the model starts from them, the rest from zero.
-    state = checkpoint_format.load_checkpoint_file(checkpoint_format.checkpoint_file(straight / "checkpoints", AT))
+    state = checkpoint_format.load_checkpoint_file(checkpoint_file(straight / "checkpoints", AT))
     checkpoint_format.write_checkpoint(tmp_path / "release", {(0, 0): state["model"]}, state["args"], "release")
     run(_recipe(precision), tmp_path / "from-release", corpus, load=tmp_path / "release", vocab_size=VOCAB_SIZE)
     from_release = _losses(tmp_path / "from-release")
