@@ -65,6 +65,7 @@ def test_the_lr_note_says_where_the_decay_now_ends():
     assert lr_schedule_note(fixed, saved, 900) is None
 
 
+@pytest.mark.slow
 def test_raising_train_iters_continues_the_finished_run_and_convert_finds_it(tmp_path):
     every = ("--set", "training.log_interval=1")  # a metrics record per iteration
     first = invoke("train", "--recipe", "smoke", "--set", f"train_iters={N}", *every, "--workdir", str(tmp_path))

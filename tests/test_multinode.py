@@ -79,6 +79,7 @@ def _extra(prefix: str, run_dir) -> list[str]:
     return ["--data-path", prefix, "--vocab-size", str(VOCAB_SIZE), "--run-dir", str(run_dir)]
 
 
+@pytest.mark.slow
 def test_two_node_data_parallel_matches_single_process(tmp_path):
     prefix = write_corpus(tmp_path / "corpus")
     single_dir, multi_dir = tmp_path / "single", tmp_path / "two-nodes"
@@ -239,6 +240,7 @@ def _invoke_train(workdir, *flags) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 def test_two_nodes_without_a_shared_filesystem(tmp_path):
     """Two `invoke train --nnodes 2 --node-rank r` on 127.0.0.1, each in its own --workdir: each node
     builds corpus, tokenizer, .bin/.idx and dataset indices itself, writes its own ranks' checkpoint

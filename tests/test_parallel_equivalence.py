@@ -450,11 +450,13 @@ def test_baseline_learns(baseline):
     assert len(losses) == ITERATIONS and losses[-1] < losses[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(TWO_RANK_LAYOUTS)), ids=[layout.name for layout in TWO_RANK_LAYOUTS])
 def test_two_rank_layout_matches_single_process(two_rank, baseline, index):
     assert_matches_baseline([rank["layouts"][index] for rank in two_rank], baseline)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(FOUR_RANK_LAYOUTS)), ids=[layout.name for layout in FOUR_RANK_LAYOUTS])
 def test_four_rank_layout_matches_single_process(four_rank, baseline, index):
     assert_matches_baseline([rank["layouts"][index] for rank in four_rank], baseline)
@@ -472,15 +474,18 @@ def assert_resume_is_exact(resumed_ranks: list[dict], straight_ranks: list[dict]
             assert torch.equal(got, want), f"{name} differs after resume"
 
 
+@pytest.mark.slow
 def test_tp2_pp2_checkpoint_resume_is_exact(four_rank):
     assert_resume_is_exact([rank["resume"] for rank in four_rank], [rank["layouts"][0] for rank in four_rank])
 
 
+@pytest.mark.slow
 def test_pp2_vpp2_checkpoint_resume_is_exact(two_rank):
     index = TWO_RANK_LAYOUTS.index(PP2_VPP2)
     assert_resume_is_exact([rank["resume"] for rank in two_rank], [rank["layouts"][index] for rank in two_rank])
 
 
+@pytest.mark.slow
 def test_pp2_vpp2_checkpoint_holds_chunks_and_converts_to_the_trained_model(two_rank, run_root):
     """Each rank file holds model0 and model1 (Megatron's layout; the tied embedding in chunk 0 of
     the first stage and, as word_embeddings_for_head, in the last chunk of the last stage), and the
@@ -542,6 +547,7 @@ def entry_baseline(run_root) -> dict[int, float]:
         for i, layout in enumerate(ENTRY_LAYOUTS)
     ],
 )
+@pytest.mark.slow
 def test_train_entry_point_matches_single_process(two_rank, entry_baseline, index):
     losses = [rank["entry"][index] for rank in two_rank if rank["entry"][index] is not None][0]
     assert sorted(losses) == sorted(entry_baseline) == list(range(1, ITERATIONS + 1))

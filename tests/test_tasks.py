@@ -236,6 +236,7 @@ def test_kernel_bench_task_says_it_needs_a_gpu():
     assert json.loads(kernels.stdout.strip().splitlines()[-1]) == {"skipped": "needs a CUDA GPU"}
 
 
+@pytest.mark.slow
 def test_readme_nproc_form_trains_and_resumes_under_another_layout(smoke_pipeline):
     """The README's `invoke train --nproc 2 --set tensor_model_parallel_size=2` (on the smoke recipe, whose
     data the pipeline built), then its resume as PP 2 with --load, the README's next form."""
