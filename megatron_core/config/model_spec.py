@@ -227,14 +227,9 @@ class ModelSpec:
 
     # -- back to the other forms -----------------------------------------------------------------
     def to_args(self, **extra: Any) -> argparse.Namespace:
-        """The args fields Megatron tools (and transformers' converter) read from a checkpoint."""
-        layout = {}
-        if self.layers_per_virtual_stage is not None:
-            layout = {
-                "num_layers_per_virtual_pipeline_stage": self.layers_per_virtual_stage,
-                "virtual_pipeline_model_parallel_size": self.virtual_stages,
-            }
-        return argparse.Namespace(
+        """The args fields Megatron tools (and transformers' converter) read from a checkpoint; `extra` adds
+        the others (a training run's schedule, seeds, ...) or says a field as its recipe wrote it."""
+        fields: dict[str, Any] = dict(
             num_layers=self.num_layers,
             hidden_size=self.hidden_size,
             num_attention_heads=self.num_attention_heads,
@@ -249,9 +244,11 @@ class ModelSpec:
             tensor_model_parallel_size=self.tp,
             pipeline_model_parallel_size=self.pp,
             tokenizer_type="GPT2BPETokenizer",
-            **layout,
-            **extra,
         )
+        if self.layers_per_virtual_stage is not None:
+            fields["num_layers_per_virtual_pipeline_stage"] = self.layers_per_virtual_stage
+            fields["virtual_pipeline_model_parallel_size"] = self.virtual_stages
+        return argparse.Namespace(**{**fields, **extra})
 
     def to_model_config(self, **extra: Any) -> ModelConfig:
         """The model section that builds this shape; `extra` sets the rest (dropout, attention_backend, ...).

@@ -161,25 +161,15 @@ def megatron_args(
     """The `args` Namespace with Megatron's names (what the HF converter and Megatron tools read).
     Only plain Python values, so weights_only loading needs nothing but Namespace itself."""
     m, p, t = recipe.model, recipe.parallel, recipe.training
-    return argparse.Namespace(
-        num_layers=m.num_layers,
-        hidden_size=m.hidden_size,
-        num_attention_heads=m.num_attention_heads,
-        ffn_hidden_size=m.ffn_size,
-        seq_length=m.seq_length,
-        max_position_embeddings=m.max_position_embeddings,
-        padded_vocab_size=padded_vocab_size,
+    # The shape and layout from the one ModelSpec; the rest as the recipe says it.
+    return ModelSpec.from_recipe(recipe, padded_vocab_size).to_args(
         make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std,
-        layernorm_epsilon=m.layernorm_epsilon,
         bias_gelu_fusion=m.bias_gelu_fusion,
         openai_gelu=m.openai_gelu,
-        untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
         tokenizer_type=recipe.tokenizer.tokenizer_type,
-        tensor_model_parallel_size=p.tensor_model_parallel_size,
-        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         world_size=p.world_size,
         virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size(m.num_layers),
         num_layers_per_virtual_pipeline_stage=p.num_layers_per_virtual_pipeline_stage,
