@@ -5,13 +5,10 @@ one deliberate difference that Megatron-LM itself makes: a literal `<|endoftext|
 document is ordinary text (Megatron's GPT-2 BPE has no special-token splitting); only
 `--append-eod` adds the EOD id.
 
-Two engines give those ids; one is chosen at construction and logged:
-- "tiktoken": tiktoken's Rust BPE with GPT-2's own split pattern (what nanoGPT uses), its ranks the
-  vocab ids. It ranks merged tokens where GPT-2 ranks merge pairs; the two agree on files as BPE
-  training writes them (GPT-2's own, train_bpe_tokenizer's), whose shape is checked: every merged
-  token made by exactly one merge, from parts made before it, ids growing in merge order.
-- "hf": the Hugging Face `tokenizers` BPE, the same engine GPT2TokenizerFast runs; "auto" takes it,
-  saying why in one line, for files whose merges tiktoken's ranks cannot express.
+Two engines give those ids, one chosen at construction and logged: "tiktoken" (its Rust BPE with GPT-2's
+split pattern, as nanoGPT uses, ranks = vocab ids: exact on files shaped as BPE training writes them, which
+_tiktoken_ranks checks) and "hf" (the `tokenizers` BPE that GPT2TokenizerFast runs), which "auto" takes,
+saying why, for files whose merges tiktoken's ranks cannot express.
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ import os
 from collections import Counter
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable
 
 import numpy as np
 
@@ -154,9 +151,6 @@ class _HFEngine:
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [e.ids for e in self._tokenizer.encode_batch(list(texts), add_special_tokens=False)]
-
     def encode_array(self, text: str) -> np.ndarray:
         return np.asarray(self.encode(text), dtype=np.uint32)
 
@@ -167,14 +161,10 @@ class _EngineUnfit(Exception):
 
 def _tiktoken_ranks(vocab: dict[str, int], merges: list[tuple[int, str, str]]) -> dict[bytes, int]:
     """tiktoken's ranks for these files (the vocab ids), or _EngineUnfit saying why they would not give
-    GPT-2's BPE. tiktoken joins two adjacent parts when their concatenation is a token, lowest rank
-    first; GPT-2 joins the listed pair earliest in merges.txt. With ranks = ids they choose alike on
-    the files BPE training writes, which always have: every multi-byte token made by exactly one merge
-    (none tiktoken could reach that GPT-2 never makes, none made two ways), ids growing in merge order
-    (rank order = merge order), each merge's parts with smaller ids (made before it). A hand-made
-    merges.txt can pass and still differ (docs/data-format.md). tiktoken's own
-    `load.data_gym_to_mergeable_bpe_ranks` checks the same on GPT-2's files, but fixes the byte ids at
-    0-255 (train_bpe_tokenizer puts <|endoftext|> at 0) and caches local files by path."""
+    GPT-2's BPE. tiktoken joins the adjacent pair whose concatenation has the lowest rank, GPT-2 the pair
+    earliest in merges.txt; with ranks = ids they agree on what BPE training writes: every multi-byte token
+    made by exactly one merge, ids growing in merge order, each merge's parts made before it
+    (docs/data-format.md). tiktoken's own data_gym_to_mergeable_bpe_ranks fixes the bytes at ids 0-255."""
     results = [left + right for _, left, right in merges]
     ids = [vocab[token] for token in results]
     if len(set(results)) != len(results):
@@ -215,9 +205,6 @@ class _TiktokenEngine:
     def encode(self, text: str) -> list[int]:
         return self.encode_array(text).tolist()
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [self.encode(t) for t in texts]
-
 
 # The tokenizer
 
@@ -253,9 +240,6 @@ class GPT2BPETokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.engine.encode(text)
-
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return self.engine.encode_batch(texts)
 
     def encode_array(self, text: str) -> np.ndarray:
         """encode(text) as a uint32 numpy array (cheaper than the list for long texts)."""
