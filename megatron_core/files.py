@@ -1,5 +1,5 @@
 """Writing files and directories that must never be seen half-written (torch-free: the data tools
-import it too). Every rename the package makes to publish something goes through `_rename_durably`."""
+import it too). Every rename the package makes to publish something goes through `rename_durably`."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def fsync_directory(path: PathLike) -> None:
         os.close(fd)
 
 
-def _rename_durably(source: Path, target: Path) -> None:
+def rename_durably(source: Path, target: Path) -> None:
     """Rename, then fsync the directory (or both) so the rename survives a crash of the machine."""
     os.replace(source, target)
     fsync_directory(target.parent)
@@ -38,7 +38,7 @@ def publish_file(tmp: PathLike, path: PathLike) -> None:
     and a machine that crashed, see the whole new file or the old one, never a torn one."""
     with open(tmp, "rb") as handle:
         os.fsync(handle.fileno())
-    _rename_durably(Path(tmp), Path(path))
+    rename_durably(Path(tmp), Path(path))
 
 
 def replace_atomically(path: PathLike, write: Callable[[Path], Any]) -> None:
@@ -64,8 +64,8 @@ def publish_directory(tmp: PathLike, final: PathLike, *, set_aside: Optional[Pat
             shutil.rmtree(final)
         else:
             shutil.rmtree(set_aside, ignore_errors=True)
-            _rename_durably(final, Path(set_aside))
-    _rename_durably(tmp, final)
+            rename_durably(final, Path(set_aside))
+    rename_durably(tmp, final)
 
 
 def remove_directory(path: PathLike) -> None:
@@ -74,5 +74,5 @@ def remove_directory(path: PathLike) -> None:
     path = Path(path)
     doomed = path.with_name(path.name + ".pruned")
     shutil.rmtree(doomed, ignore_errors=True)
-    _rename_durably(path, doomed)
+    rename_durably(path, doomed)
     shutil.rmtree(doomed, ignore_errors=True)

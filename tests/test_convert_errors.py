@@ -157,3 +157,18 @@ def test_a_weight_the_gpt_does_not_have_is_refused(tp2):
     (tp2 / "iter_0000010" / "manifest.json").unlink()  # its crc32 would refuse the edited files first
     with pytest.raises(UserError, match=r"weights this converter does not know: \['encoder.layers.0.mlp.gate.weight'"):
         read_checkpoint(tp2)
+
+
+def test_args_that_do_not_shape_the_weights_do_not_refuse_them(tp2):
+    """A run's sequence parallelism or world size says nothing about its files (Megatron-LM's args may say
+    sequence_parallel at TP 1, or a world of any size): the checkpoint still reads."""
+    from megatron_core.checkpoint_format import load_checkpoint_file
+
+    for path in tp2.glob("iter_*/*/model_optim_rng.pt"):
+        obj = load_checkpoint_file(path)
+        obj["args"].sequence_parallel, obj["args"].world_size = True, 3
+        obj["args"].tensor_model_parallel_size = 2
+        torch.save(obj, path)
+    (tp2 / "iter_0000010" / "manifest.json").unlink()  # its crc32 would refuse the edited files first
+    ckpt = read_checkpoint(tp2)
+    assert ckpt.spec.tp == 2 and set(ckpt.state) >= {"embedding.word_embeddings.weight"}

@@ -1,4 +1,4 @@
-"""Typed corpus sources (checked when the recipe loads, hashed as written) and recipe discovery that
+"""Typed corpus sources (checked when the recipe loads, resolved with their defaults) and recipe discovery that
 counts GPUs without importing torch."""
 
 import json

@@ -313,7 +313,7 @@ def train_entry_point(layout: Layout, run_root: str) -> Optional[dict[int, float
 
 def first_step_grads(layout: Layout) -> dict:
     """The gradients one forward_backward leaves (the schedule of this layout, grad sync and
-    finalize_model_grads included, before any optimizer step), under their global names."""
+    finish_grad_sync included, before any optimizer step), under their global names."""
     from megatron_core.distributed.grad_sync import gradient
     from megatron_core.pipeline_parallel import get_forward_backward_func
     from megatron_core.training.data_iterators import batch_iterator

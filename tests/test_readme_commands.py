@@ -165,7 +165,7 @@ def test_every_readme_command_runs_or_parses(tmp_path):
     for form in EXECUTED:
         args = ["smoke" if a.startswith("codeparrot-tiny") else places.get(a, a) for a in shlex.split(form)]
         # smoke's own lr is 1e-3: another value keeps this a run of its own, as the README's is beside
-        # codeparrot-tiny's (lr 3e-3), instead of extending the plain smoke run to 100 iterations
+        # codeparrot-tiny's (lr 5e-3), instead of extending the plain smoke run to 100 iterations
         args = ["lr=2e-3" if a == "lr=1e-3" else a for a in args]
         if form.startswith("import-hf"):
             args[args.index("--save") + 1] = str(tmp_path / "imported")

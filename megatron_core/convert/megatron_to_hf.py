@@ -22,6 +22,7 @@ from megatron_core.config import ModelSpec
 from megatron_core.convert.gpt2_mapping import megatron_to_gpt2_state
 from megatron_core.convert.shards import MergedCheckpoint, read_checkpoint
 from megatron_core.errors import UserError
+from megatron_core.files import publish_directory
 from megatron_core.log import get_logger
 
 _LOG = get_logger(__name__, tag="convert")
@@ -156,15 +157,11 @@ def write_weights(state: dict, out_dir: Path, fmt: str) -> list[str]:
 
 def publish_dir(tmp: Path, target: Path, overwrite: bool) -> None:
     """Rename the finished temp dir onto the target (replacing an old one only with overwrite)."""
-    old = None
-    if target.exists():
-        if holds_model(target) and not overwrite:
-            raise UserError(f"{target} already holds a model; pass --overwrite to replace it")
-        old = target.with_name(f".{target.name}.old-{os.getpid()}")
-        os.rename(target, old)
-    os.rename(tmp, target)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    if target.exists() and holds_model(target) and not overwrite:
+        raise UserError(f"{target} already holds a model; pass --overwrite to replace it")
+    old = target.with_name(f".{target.name}.old-{os.getpid()}")
+    publish_directory(tmp, target, set_aside=old)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def convert_checkpoint(

@@ -221,7 +221,8 @@ def read_checkpoint(load_dir, iteration=None) -> MergedCheckpoint:
     version = float(first.get("checkpoint_version", 0) or 0)
     # The layout is the shards' (older args may not say it); the shape must split over it.
     spec = dataclasses.replace(ModelSpec.from_args(args), tp=tp, pp=pp)
-    spec.check("the args do not match the shards")
+    # Only the rules the weights obey: a run's sequence parallelism or world size does not shape its files.
+    dataclasses.replace(spec, sequence_parallel=False, world_size=None).check("the args do not match the shards")
     chunk_states = {pos: [canonical_names(m) for m in model_chunks(ck, files[pos])] for pos, ck in shards.items()}
     chunks = _check_same({pos: {"model chunks": len(c)} for pos, c in chunk_states.items()}, "model chunks", iter_dir)
     recorded = _arg(args, "virtual_pipeline_model_parallel_size")

@@ -19,7 +19,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 from megatron_core.config import CorpusSource, HfDatasetSource, JsonlSource, PythonStdlibSource
 from megatron_core.data.hub import hub_commit
-from megatron_core.errors import UserError
+from megatron_core.errors import UserError, require_package
 from megatron_core.files import replace_atomically
 from megatron_core.log import get_logger
 
@@ -82,6 +82,7 @@ def _read_jsonl_file(path: str, key: str) -> Iterator[dict]:
 
 
 def _hf_documents(source: HfDatasetSource) -> Iterator[dict]:
+    require_package("datasets", "hub", "a corpus source of type hf-dataset")
     import datasets
 
     name, key, split, revision = source.name, source.key, source.split, source.revision

