@@ -11,16 +11,20 @@ traceback; a rank that hangs past `timeout` is killed and reported.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import queue
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.multiprocessing as mp
 
+from megatron_core import parallel_state as ps
+from megatron_core.distributed.grad_sync import allreduce_embedding_grads, allreduce_sequence_parallel_grads
+from megatron_core.distributed.trainable import shared_embedding_parameters
 from megatron_core.launch import free_port
 
 DEFAULT_TIMEOUT_S = 300.0  # a hang guard, not a speed check: .ci/run runs two test files at once on 2 cores
@@ -113,3 +117,45 @@ def run_distributed(
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+
+
+class LocalModel(torch.nn.Module):
+    """The model protocol (megatron_core/distributed/trainable.py) at DP = 1 without the data-parallel
+    wrapper, for tests that drive the schedules: gradients stay in `.grad` (the
+    optimizer's zero_grad clears them), and finishing the sync is the model-parallel sums alone:
+    sequence-parallel parameters over TP, the tied word embedding over the embedding group."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    @property
+    def chunks(self) -> Sequence[torch.nn.Module]:
+        return self.module.chunks
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def set_input_tensor(self, tensor) -> None:
+        self.module.set_input_tensor(tensor)
+
+    def zero_grad_buffer(self) -> None:
+        """Nothing to do: the gradients are the parameters' own `.grad`."""
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def finish_grad_sync(self) -> None:
+        if ps.get_data_parallel_world_size() > 1:
+            raise TypeError(
+                "data-parallel size > 1 but the model is not wrapped in "
+                "megatron_core.distributed.DistributedDataParallel; its gradients would not be averaged"
+            )
+        allreduce_sequence_parallel_grads(self.module.parameters())  # only those marked sequence_parallel
+        allreduce_embedding_grads(shared_embedding_parameters(self.module))
+
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, **kwargs):
+        return self.module.load_state_dict(state_dict, strict=strict, **kwargs)

@@ -8,9 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed_utils import run_distributed
+from distributed_utils import LocalModel, run_distributed
 from megatron_core import parallel_state as ps
-from megatron_core.distributed import LocalModel
 from megatron_core.pipeline_parallel import get_forward_backward_func
 
 HIDDEN, SEQ, MICRO = 8, 4, 2

@@ -77,7 +77,9 @@ def test_resume_loads_chunks_and_refuses_a_chunk_count_that_does_not_fit():
 def test_the_wrappers_run_the_models_own_chunks_and_forward_nothing_else():
     """The model protocol: `chunks` is the model's own (a GPTModel is its one chunk), the optimizer's
     names keep the `chunks.<c>.` prefix, and the data-parallel wrapper forwards no other attribute."""
-    from megatron_core.distributed import DistributedDataParallel, LocalModel
+    from distributed_utils import LocalModel
+
+    from megatron_core.distributed import DistributedDataParallel
 
     r = recipe(vpp_layers=1)
     chunks = build_gpt_model(r.model, r.parallel, 128, init_seed=5)

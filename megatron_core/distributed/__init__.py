@@ -20,10 +20,6 @@ DistributedDataParallel(module, parallel, *, bucket_size=None, reduce_kind="all_
     call after the last backward; state_dict()/load_state_dict() are the module's own (checkpoint
     keys do not change). Nothing else is forwarded: the inner model is `.module`.
 
-LocalModel(module)
-    The same protocol for a model at DP = 1 without the wrapper (gradients in `.grad`; finishing
-    the sync is the sequence-parallel and tied-embedding sums on their own).
-
 The distributed optimizer that shards over these buckets lives in megatron_core.optimizer.
 """
 
@@ -40,7 +36,7 @@ import torch.distributed as dist
 
 from megatron_core import parallel_state as ps
 from megatron_core.distributed.grad_sync import GradSync, ReduceKind
-from megatron_core.distributed.trainable import LocalModel, TrainableModel, shared_embedding_parameters
+from megatron_core.distributed.trainable import TrainableModel, shared_embedding_parameters
 from megatron_core.errors import UserError
 from megatron_core.log import get_logger
 
@@ -181,7 +177,6 @@ class DistributedDataParallel(torch.nn.Module):
 __all__ = [
     "DistributedDataParallel",
     "DistributedInfo",
-    "LocalModel",
     "TrainableModel",
     "destroy_distributed",
     "init_distributed",

@@ -13,9 +13,9 @@ train, declared once instead of probed with getattr.
         finish_grad_sync()  complete the iteration's reductions: after it every gradient is final
         model(...), set_input_tensor(t), train(), eval(), parameters(): as the module's
 
-Two implementations: `DistributedDataParallel` (gradients in main_grad buffers, averaged over DP in
-buckets: what training builds at every DP size) and `LocalModel` (DP = 1 with the gradients in `.grad`:
-only the model-parallel sums, for tests and tools that drive the schedules without the wrapper).
+The product's implementation is `DistributedDataParallel` (gradients in main_grad buffers, averaged over DP
+in buckets: what training builds at every DP size); the tests drive the schedules with a second one
+(tests/distributed_utils.py `LocalModel`, gradients in `.grad`).
 Under pipeline parallelism the module declares `shared_embedding_parameters()` (the tied word
 embedding on the first and last stage).
 """
@@ -28,7 +28,6 @@ from typing import Any, Protocol, Sequence
 import torch
 
 from megatron_core import parallel_state as ps
-from megatron_core.distributed.grad_sync import allreduce_embedding_grads, allreduce_sequence_parallel_grads
 
 
 class TrainableModel(Protocol):
@@ -62,44 +61,3 @@ def shared_embedding_parameters(module: torch.nn.Module) -> list[torch.nn.Parame
     if ps.get_pipeline_model_parallel_world_size() == 1:
         return []  # one stage holds the tied weight once; autograd already sums both uses
     return list(module.shared_embedding_parameters())
-
-
-class LocalModel(torch.nn.Module):
-    """A model trained at DP = 1 without the data-parallel wrapper: gradients stay in `.grad` (the
-    optimizer's zero_grad clears them), and finishing the sync is the model-parallel sums alone:
-    sequence-parallel parameters over TP, the tied word embedding over the embedding group."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        super().__init__()
-        self.module = module
-
-    @property
-    def chunks(self) -> Sequence[torch.nn.Module]:
-        return self.module.chunks
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    def set_input_tensor(self, tensor) -> None:
-        self.module.set_input_tensor(tensor)
-
-    def zero_grad_buffer(self) -> None:
-        """Nothing to do: the gradients are the parameters' own `.grad`."""
-
-    def no_sync(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
-    def finish_grad_sync(self) -> None:
-        if ps.get_data_parallel_world_size() > 1:
-            raise TypeError(
-                "data-parallel size > 1 but the model is not wrapped in "
-                "megatron_core.distributed.DistributedDataParallel; its gradients would not be averaged"
-            )
-        allreduce_sequence_parallel_grads(self.module.parameters())  # only those marked sequence_parallel
-        allreduce_embedding_grads(shared_embedding_parameters(self.module))
-
-    def state_dict(self, *args, **kwargs):
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict, strict: bool = True, **kwargs):
-        return self.module.load_state_dict(state_dict, strict=strict, **kwargs)

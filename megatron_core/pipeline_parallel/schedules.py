@@ -29,8 +29,8 @@ THE CONTRACT (the training loop codes to this; both schedules below honour it):
     stage). The trainer calls nothing else between forward_backward and optimizer.step().
 
     `model` implements the model protocol (megatron_core.distributed.TrainableModel): the
-    data-parallel wrapper `DistributedDataParallel` around a GPTModel (or GPTModelChunks), or
-    `LocalModel` around one at DP = 1. Gradient reduction is launched only during the backward
+    data-parallel wrapper `DistributedDataParallel` around a GPTModel (or GPTModelChunks; the tests
+    also drive a `LocalModel` at DP = 1). Gradient reduction is launched only during the backward
     of the last micro batch (`model.no_sync()` for the others).
 
     Activations travel between stages as [s, b, h] ([s/tp, b, h] with sequence parallelism)
