@@ -11,6 +11,7 @@ from distributed_utils import run_distributed
 from torch.testing import assert_close
 
 from megatron_core import parallel_state as ps
+from megatron_core.distributed.grad_sync import allreduce_sequence_parallel_grads
 from megatron_core.config import ModelConfig, ParallelConfig, load_recipe
 from megatron_core.models import GPTModel
 from megatron_core.tensor_parallel import initialize_parameter, model_parallel_manual_seed, normal_init
@@ -175,8 +176,7 @@ def _tp_run(sequence_parallel):
     loss = model(ids, pos, labels)
     loss.mean().backward()
     group = ps.get_tensor_model_parallel_group()
-    for p in model.sequence_parallel_parameters():  # what the trainer does for SP-replicated params
-        dist.all_reduce(p.grad, group=group)
+    allreduce_sequence_parallel_grads(model.parameters())  # what finishing the grad sync does under SP
     full = {}
     for name, p in model.named_parameters():
         if getattr(p, "tensor_model_parallel", False):

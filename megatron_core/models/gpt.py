@@ -434,10 +434,6 @@ class GPTModel(nn.Module):
             return [self.word_embeddings_for_head.weight]
         return []
 
-    def sequence_parallel_parameters(self) -> list[nn.Parameter]:
-        """Replicated parameters that saw only this rank's sequence chunk: all-reduce grads over TP."""
-        return [p for p in self.parameters() if getattr(p, "sequence_parallel", False)]
-
     def describe_backends(self) -> str:
         """The one description of the kernels this model runs (attention and every fusion), and its recompute."""
         return f"{self.ops.describe()}; recompute: {self.parallel.recompute_granularity or 'none'}"
@@ -516,9 +512,6 @@ class GPTModelChunks(nn.Module):
 
     def shared_embedding_parameters(self) -> list[nn.Parameter]:
         return [p for chunk in self.chunks for p in chunk.shared_embedding_parameters()]
-
-    def sequence_parallel_parameters(self) -> list[nn.Parameter]:
-        return [p for chunk in self.chunks for p in chunk.sequence_parallel_parameters()]
 
     def describe_backends(self) -> str:
         layers = ", ".join(f"{r.start}-{r.stop - 1}" for r in self.layer_ranges)
