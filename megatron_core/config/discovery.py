@@ -143,10 +143,12 @@ def _nvml_device_count() -> Optional[int]:
     try:
         nvml = ctypes.CDLL("libnvidia-ml.so.1")
         count = ctypes.c_uint(0)
-        if nvml.nvmlInit_v2() != 0 or nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
+        if nvml.nvmlInit_v2() != 0:
             return None
-        nvml.nvmlShutdown()
-        return int(count.value)
+        try:
+            return int(count.value) if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) == 0 else None
+        finally:
+            nvml.nvmlShutdown()  # every successful init is paired with a shutdown
     except (OSError, AttributeError):  # no driver library, or one without these symbols
         return None
 

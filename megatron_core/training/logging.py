@@ -34,11 +34,8 @@ def megatron_train_line(record: Mapping[str, Any], *, train_iters: int) -> str:
     norm = f" grad norm: {grad_norm:.3f} |" if grad_norm is not None else ""
     # Megatron's one decimal, but a CPU's few GFLOP/s keep three significant digits instead of reading 0.0
     tflops_text = f"{tflops:.1f}" if tflops >= 1 else f"{tflops:.3g}"
-    extra = "".join(
-        _our_field(key, value)
-        for key, value in record.items()
-        if key not in _MEGATRON_KEYS and value is not None and _OUR_FORMATS.get(key, "") is not None
-    )
+    shown = (key for key in record if key not in _MEGATRON_KEYS and key not in _LINE_HIDDEN)
+    extra = "".join(_our_field(key, record[key]) for key in shown if record[key] is not None)
     return (
         f" [{stamp}] iteration {record['iteration']:8d}/{train_iters:8d} | consumed samples:"
         f" {record['consumed_samples']:12d} | elapsed time per iteration (ms): {record['elapsed_ms']:.1f} |"
@@ -65,14 +62,14 @@ _MEGATRON_KEYS = frozenset(
         "nan",
     }
 )
-# How some of our keys read on the line (None: metrics.jsonl and TensorBoard only). Any other key the trainer
-# puts in its record shows as "name: value": a new metric is one entry in the record and reaches every sink.
+# How some of our keys read on the line; _LINE_HIDDEN: metrics.jsonl and TensorBoard only. Any other key the
+# trainer puts in its record shows as "name: value": a new metric is one entry in the record and reaches every sink.
 _OUR_FORMATS = {
     "tokens_per_s": " tokens/s: {:.0f} |",
     "batch_generator_ms": " batch-generator: {:.1f} ms |",
-    "batch_generator_share": None,
     "mfu": " MFU: {:.1%} |",
 }
+_LINE_HIDDEN = frozenset({"batch_generator_share"})
 
 
 def _our_field(key: str, value: Any) -> str:
